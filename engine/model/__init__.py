@@ -1,0 +1,1 @@
+"""Llama-family model, weight loaders (GGUF, Hugging Face folder) and tokenizer."""

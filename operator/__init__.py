@@ -1,0 +1,1 @@
+"""Kubernetes operator and budget controller for stallfree (kopf)."""
