@@ -1,0 +1,102 @@
+"""Engine configuration: one frozen object per component, built once at the edge and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("sarathi", "vllm", "orca", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficClusterLimits:
+    """What the scheduler needs to know about one traffic cluster (the rest lives in the server)."""
+
+    name: str = "default"
+    chunk_cap: int | None = None  # prefill tokens per iteration for this cluster; None = only the budget
+    max_running: int | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk_cap is not None and self.chunk_cap < 1:
+            raise ValueError(f"traffic cluster {self.name!r}: chunk cap must be >= 1, got {self.chunk_cap}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"traffic cluster {self.name!r}: max running must be >= 1, got {self.max_running}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerTunables:
+    """What may change between iterations (admin API, budget controller)."""
+
+    token_budget: int = 512
+    clusters: tuple[TrafficClusterLimits, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_budget, int) or self.token_budget < 1:
+            raise ValueError(f"token_budget must be a positive integer, got {self.token_budget!r}")
+        names = [c.name for c in self.clusters]
+        if len(names) != len(set(names)):
+            raise ValueError(f"traffic cluster names must be unique, got {names}")
+
+    def cluster(self, name: str) -> TrafficClusterLimits | None:
+        for c in self.clusters:
+            if c.name == name:
+                return c
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: str = "sarathi"
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    # Round prefill chunks down to a multiple of this (a GPU tile, e.g. 32); 0 = no alignment.
+    chunk_align: int = 0
+    # sarathi only: put decodes in the same batch as prefill chunks (False = the paper's "chunking only"
+    # ablation: prefill chunks and decodes take turns).
+    hybrid_batching: bool = True
+    tunables: SchedulerTunables = field(default_factory=SchedulerTunables)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.chunk_align < 0:
+            raise ValueError(f"chunk_align must be >= 0, got {self.chunk_align}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Size the KV cache from a memory budget, or give the block count directly.
+    kv_cache_memory_gb: float | None = None
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 256:
+            raise ValueError(f"block_size must be in 1..256, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # path to a .gguf or a Hugging Face folder; None = bundled default
+    dtype: str = "auto"
+    device: str = "auto"  # auto = cuda when available, else cpu
+    attention_backend: str = "auto"  # auto, torch, flashinfer
+    max_model_len: int | None = None  # None = the model's context length
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")

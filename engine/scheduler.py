@@ -1,0 +1,329 @@
+"""Iteration-level schedulers: who runs in the next forward pass, and how many tokens each.
+
+Pure Python (no torch): the same code drives the real engine and the simulator. Every policy works on one
+idea (as in vLLM V1): a request's `num_computed_tokens` catches up to its `num_tokens`; a prefill chunk is
+just a cap on how far it catches up this iteration, and a decode is the one token left.
+
+Policies (SchedulerConfig.policy):
+  sarathi  stall-free batching: running decodes first (one token each), then running partial prefills, then
+           new requests, each chunk = min(remaining prompt, leftover budget, cluster chunk cap), optionally
+           tile-aligned; several prefill chunks may share a batch; the budget may change between iterations.
+  vllm     the paper's baseline: whole prompts first in prefill-only batches; decodes wait for them.
+  orca     decodes plus whole new prompts in one batch, no token cap.
+  static   request-level batching: a batch is admitted together and runs until all of it finishes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from stallfree.engine.block_manager import BlockManager, blocks_needed
+from stallfree.engine.config import SchedulerConfig, SchedulerTunables
+from stallfree.engine.request import Request, RequestStatus
+from stallfree.engine.sampling_params import SamplingParams
+
+# Keep this fraction of blocks free when admitting new requests, so running decodes are not preempted
+# right after an admission.
+WATERMARK = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's share of an iteration: tokens [start, start + len(token_ids)) of prompt + outputs."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int  # NOTE: absolute position of token_ids[0]; positions never restart per chunk
+    block_table: tuple[int, ...]
+    is_decode: bool
+    sample: bool  # the chunk reaches the end of the request's tokens: sample its next token
+    traffic_cluster: str
+    sampling_params: SamplingParams
+    num_output_tokens: int  # outputs generated before this step (for min_tokens, seeds)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The frozen message from scheduler to model runner: decodes first, then prefill chunks."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+    token_budget: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Accumulates one iteration's chunks and what they use of the budget."""
+
+    budget: int | None  # None = no token cap
+    chunks: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)
+    cluster_prefill: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    used: int = 0
+
+    @property
+    def left(self) -> int:
+        return 1 << 62 if self.budget is None else self.budget - self.used
+
+    def add(self, req: Request, n: int) -> None:
+        self.chunks.append((req, n))
+        self.scheduled.add(req.request_id)
+        self.used += n
+        if not req.in_decode:
+            self.cluster_prefill[req.traffic_cluster] = self.cluster_prefill.get(req.traffic_cluster, 0) + n
+
+
+class Scheduler:
+    """Holds the waiting and running requests and builds each iteration's batch."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.tunables: SchedulerTunables = config.tunables
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._last_was_prefill = False  # for sarathi without hybrid batching
+        self._order = itertools.count()
+        self._seq: dict[str, int] = {}
+
+    # ---- queue management -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        self._requests[req.request_id] = req
+        self._seq[req.request_id] = next(self._order)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request (finished, aborted or failed) and free its blocks."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self._seq.pop(request_id, None)
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(request_id)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def count_by_cluster(self, requests: Iterable[Request]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in requests:
+            counts[r.traffic_cluster] = counts.get(r.traffic_cluster, 0) + 1
+        return counts
+
+    # ---- helpers shared by the policies -----------------------------------------------------------
+    def _key(self, req: Request) -> tuple[int, float, int]:
+        # Higher priority first, then first come first served.
+        return (-req.priority, req.arrival_time, self._seq[req.request_id])
+
+    def _chunk_size(self, req: Request, batch: _Batch, whole: bool) -> int:
+        remaining = req.num_pending_tokens
+        if whole:
+            return remaining if remaining <= batch.left else 0
+        n = min(remaining, batch.left)
+        limits = self.tunables.cluster(req.traffic_cluster)
+        if limits is not None and limits.chunk_cap is not None:
+            n = min(n, limits.chunk_cap - batch.cluster_prefill.get(req.traffic_cluster, 0))
+        align = self.config.chunk_align
+        if align and n < remaining:
+            n -= n % align
+        return max(n, 0)
+
+    def _preempt(self, req: Request, batch: _Batch) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.append(req)
+        batch.preempted.append(req.request_id)
+
+    def _allocate_running(self, req: Request, num_tokens: int, batch: _Batch) -> bool:
+        """Make room for a running request, preempting the least important unscheduled others.
+
+        Returns False if `req` itself had to be preempted.
+        """
+        while not self.block_manager.allocate(req.request_id, num_tokens):
+            victims = [r for r in self.running if r is not req and r.request_id not in batch.scheduled]
+            if not victims:
+                self._preempt(req, batch)
+                return False
+            self._preempt(max(victims, key=self._key), batch)
+        return True
+
+    def _can_admit(self, req: Request, num_tokens: int) -> bool:
+        free = self.block_manager.num_free_blocks
+        need = blocks_needed(num_tokens, self.block_manager.block_size) - self.block_manager.num_blocks_of(
+            req.request_id
+        )
+        return free - need >= int(WATERMARK * self.block_manager.num_blocks)
+
+    def _cluster_has_room(self, req: Request) -> bool:
+        limits = self.tunables.cluster(req.traffic_cluster)
+        if limits is None or limits.max_running is None:
+            return True
+        running = sum(1 for r in self.running if r.traffic_cluster == req.traffic_cluster)
+        return running < limits.max_running
+
+    def _schedule_decodes(self, batch: _Batch) -> None:
+        for req in sorted(self.running, key=self._key):
+            if req.status is not RequestStatus.RUNNING or not req.in_decode:
+                continue  # preempted earlier in this loop, or still prefilling
+            if batch.left < 1:
+                break
+            if self._allocate_running(req, req.num_tokens, batch):
+                batch.add(req, 1)
+
+    def _schedule_running_prefills(self, batch: _Batch, whole: bool) -> None:
+        for req in sorted(self.running, key=self._key):
+            if req.status is not RequestStatus.RUNNING or req.in_decode or req.request_id in batch.scheduled:
+                continue
+            n = self._chunk_size(req, batch, whole)
+            if n == 0:
+                continue
+            if self._allocate_running(req, req.num_computed_tokens + n, batch):
+                batch.add(req, n)
+
+    def _admit_waiting(self, batch: _Batch, whole: bool) -> None:
+        for req in sorted(self.waiting, key=self._key):
+            if len(self.running) >= self.config.max_num_seqs or batch.left < 1:
+                break
+            if not self._cluster_has_room(req):
+                continue
+            n = self._chunk_size(req, batch, whole)
+            if n == 0:
+                if whole:
+                    break  # keep FCFS: a whole prompt that does not fit now blocks those behind it
+                continue
+            if not self._can_admit(req, req.num_computed_tokens + n):
+                break
+            self.block_manager.allocate(req.request_id, req.num_computed_tokens + n)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.add(req, n)
+
+    # ---- policies ------------------------------------------------------------------------------------
+    def _schedule_sarathi(self) -> _Batch:
+        batch = _Batch(self.tunables.token_budget)
+        has_decodes = any(r.in_decode for r in self.running)
+        has_prefills = bool(self.waiting) or any(not r.in_decode for r in self.running)
+        prefill_turn = not self.config.hybrid_batching and has_prefills and (
+            not has_decodes or not self._last_was_prefill
+        )
+        if self.config.hybrid_batching or not prefill_turn:
+            self._schedule_decodes(batch)
+        if self.config.hybrid_batching or prefill_turn:
+            self._schedule_running_prefills(batch, whole=False)
+            self._admit_waiting(batch, whole=False)
+        self._last_was_prefill = prefill_turn
+        return batch
+
+    def _schedule_vllm(self) -> _Batch:
+        # Prefill-prioritising: whole prompts, alone in their batch, up to the prompt token cap.
+        cap = max(self.tunables.token_budget, self.config.max_model_len)
+        batch = _Batch(cap)
+        self._schedule_running_prefills(batch, whole=True)
+        self._admit_waiting(batch, whole=True)
+        if batch.chunks:
+            return batch
+        batch = _Batch(None)
+        self._schedule_decodes(batch)
+        return batch
+
+    def _schedule_orca(self) -> _Batch:
+        batch = _Batch(None)
+        self._schedule_decodes(batch)
+        self._schedule_running_prefills(batch, whole=True)
+        self._admit_waiting(batch, whole=True)
+        return batch
+
+    def _schedule_static(self) -> _Batch:
+        batch = _Batch(None)
+        if not self.running:
+            self._admit_waiting(batch, whole=True)
+            return batch
+        self._schedule_decodes(batch)
+        self._schedule_running_prefills(batch, whole=True)
+        return batch
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next iteration and commit it: scheduled requests' num_computed_tokens advance."""
+        policy = self.config.policy
+        if policy == "sarathi":
+            batch = self._schedule_sarathi()
+        elif policy == "vllm":
+            batch = self._schedule_vllm()
+        elif policy == "orca":
+            batch = self._schedule_orca()
+        else:
+            batch = self._schedule_static()
+        # Decodes first, then prefill chunks: the runner groups them that way.
+        ordered = sorted(batch.chunks, key=lambda rn: not rn[0].in_decode)
+        chunks = []
+        n_prefill = n_decode = 0
+        for req, n in ordered:
+            start = req.num_computed_tokens
+            is_decode = req.in_decode
+            if is_decode:
+                n_decode += n
+            else:
+                n_prefill += n
+            chunks.append(
+                ScheduledChunk(
+                    request_id=req.request_id,
+                    token_ids=req.token_slice(start, start + n),
+                    start=start,
+                    block_table=tuple(self.block_manager.block_table(req.request_id)),
+                    is_decode=is_decode,
+                    sample=start + n == req.num_tokens,
+                    traffic_cluster=req.traffic_cluster,
+                    sampling_params=req.sampling_params,
+                    num_output_tokens=len(req.output_token_ids),
+                )
+            )
+        for req, n in ordered:
+            req.num_computed_tokens += n
+        return SchedulerOutput(
+            chunks=tuple(chunks),
+            preempted=tuple(batch.preempted),
+            token_budget=self.tunables.token_budget,
+            num_prefill_tokens=n_prefill,
+            num_decode_tokens=n_decode,
+        )
