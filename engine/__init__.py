@@ -1,8 +1,8 @@
 """The stallfree serving engine: Sarathi-style stall-free batching on a paged KV cache.
 
-    from stallfree.engine import LLM, SamplingParams
-    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+from stallfree.engine import LLM, SamplingParams
+llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ class TrafficClusterLimits:
         if self.chunk_cap is not None and self.chunk_cap < 1:
             raise ValueError(f"traffic cluster {self.name!r}: chunk cap must be >= 1, got {self.chunk_cap}")
         if self.max_running is not None and self.max_running < 1:
-            raise ValueError(f"traffic cluster {self.name!r}: max running must be >= 1, got {self.max_running}")
+            raise ValueError(
+                f"traffic cluster {self.name!r}: max running must be >= 1, got {self.max_running}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
@@ -99,4 +103,6 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
+            )

@@ -244,8 +244,10 @@ class Scheduler:
         batch = _Batch(self.tunables.token_budget)
         has_decodes = any(r.in_decode for r in self.running)
         has_prefills = bool(self.waiting) or any(not r.in_decode for r in self.running)
-        prefill_turn = not self.config.hybrid_batching and has_prefills and (
-            not has_decodes or not self._last_was_prefill
+        prefill_turn = (
+            not self.config.hybrid_batching
+            and has_prefills
+            and (not has_decodes or not self._last_was_prefill)
         )
         if self.config.hybrid_batching or not prefill_turn:
             self._schedule_decodes(batch)

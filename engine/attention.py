@@ -1,0 +1,246 @@
+"""Attention over the paged KV cache: batch metadata and the two backends.
+
+Per iteration the runner builds one `AttentionMetadata` for the whole ragged batch (decodes first, then
+prefill chunks) and binds it to a backend; the model then calls the bound function once per layer with the
+new tokens' q/k/v. The function writes k/v into the cache pages and returns attention over each request's
+whole history plus the causal part of its current chunk.
+
+NOTE: the causal rule is bottom-right aligned: query i of a chunk that starts at absolute position s sees
+keys at positions 0 .. s + i. That is what makes a chunked prefill compute the same thing as a one-shot one.
+
+Metadata is always an explicit argument, never a global.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stallfree.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    q_start: int  # offset of the chunk's first token in the flat batch
+    q_len: int
+    context_len: int  # tokens already in the cache before this chunk (= its first absolute position)
+    kv_slots: torch.Tensor  # (context_len + q_len,) int64 cache slots of the whole history, in order
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    # FlashInfer's paged description, B requests (decodes first):
+    qo_indptr: torch.Tensor  # (B + 1,) int32  offsets of each request's query tokens in the flat batch
+    kv_page_indptr: torch.Tensor  # (B + 1,) int32  offsets into kv_page_indices
+    kv_page_indices: torch.Tensor  # (pages,) int32  block ids of every request's history, in order
+    kv_last_page_len: torch.Tensor  # (B,) int32  tokens used in each request's last page, 1..block_size
+    slot_mapping: torch.Tensor  # (T,) int64  cache slot where each new token's k/v goes
+    num_decodes: int
+    # For the torch backend: decodes gathered as one padded batch, prefill chunks one by one.
+    decode_slots: torch.Tensor | None  # (D, Lmax) int64, padded with slot 0
+    decode_mask: torch.Tensor | None  # (D, Lmax) bool, True where a key is real
+    prefills: tuple[PrefillSpan, ...]
+
+
+def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) -> AttentionMetadata:
+    """Turn the scheduler's chunks into the flat-batch attention description."""
+    qo, page_ptr, pages, last_len, slot_chunks = [0], [0], [], [], []
+    decode_hist: list[np.ndarray] = []
+    prefills: list[PrefillSpan] = []
+    for c in out.chunks:
+        kv_len = c.start + c.num_tokens
+        n_pages = -(-kv_len // block_size)
+        table = np.asarray(c.block_table[:n_pages], dtype=np.int64)
+        pos = np.arange(kv_len, dtype=np.int64)
+        hist = table[pos // block_size] * block_size + pos % block_size  # (kv_len,) slots of the history
+        slot_chunks.append(hist[c.start :])
+        if c.is_decode:
+            decode_hist.append(hist)
+        else:
+            prefills.append(PrefillSpan(qo[-1], c.num_tokens, c.start, torch.from_numpy(hist).to(device)))
+        qo.append(qo[-1] + c.num_tokens)
+        pages.append(table)
+        page_ptr.append(page_ptr[-1] + n_pages)
+        last_len.append(kv_len - (n_pages - 1) * block_size)
+    decode_slots = decode_mask = None
+    if decode_hist:
+        lmax = max(len(h) for h in decode_hist)
+        slots = np.zeros((len(decode_hist), lmax), dtype=np.int64)
+        mask = np.zeros((len(decode_hist), lmax), dtype=bool)
+        for i, h in enumerate(decode_hist):
+            slots[i, : len(h)] = h
+            mask[i, : len(h)] = True
+        decode_slots = torch.from_numpy(slots).to(device)
+        decode_mask = torch.from_numpy(mask).to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        qo_indptr=torch.tensor(qo, **i32),
+        kv_page_indptr=torch.tensor(page_ptr, **i32),
+        kv_page_indices=torch.from_numpy(np.concatenate(pages) if pages else np.zeros(0, np.int64)).to(**i32),
+        kv_last_page_len=torch.tensor(last_len, **i32),
+        slot_mapping=torch.from_numpy(
+            np.concatenate(slot_chunks) if slot_chunks else np.zeros(0, np.int64)
+        ).to(device),
+        num_decodes=len(decode_hist),
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=tuple(prefills),
+    )
+
+
+class KVCache:
+    """Per layer one K and one V tensor of shape (num_blocks, block_size, num_kv_heads, head_dim).
+
+    Separate K and V tensors (FlashInfer's NHD tuple layout) keep each one's flat slot view contiguous.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_blocks * block_size, num_kv_heads, head_dim) views of one layer's K and V."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, k.shape[2], k.shape[3]), v.view(-1, v.shape[2], v.shape[3])
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kf, vf = self.flat(layer)
+        kf.index_copy_(0, slots, k.to(kf.dtype))
+        vf.index_copy_(0, slots, v.to(vf.dtype))
+
+
+class TorchAttention:
+    """Exact attention in plain torch (CPU, and the reference on any device).
+
+    GQA without repeating K/V: the g query heads that share a KV head are folded into the query length, so
+    one matmul per KV head serves all of them.
+    """
+
+    name = "torch"
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def bind(self, meta: AttentionMetadata):
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: (T, H, D); k, v: (T, KVH, D)
+            self.cache.write(layer, meta.slot_mapping, k, v)
+            kf, vf = self.cache.flat(layer)
+            out = torch.empty_like(q)
+            nd = meta.num_decodes
+            if nd:
+                out[:nd] = self._decode(q[:nd], kf, vf, meta.decode_slots, meta.decode_mask)
+            for p in meta.prefills:
+                sl = slice(p.q_start, p.q_start + p.q_len)
+                out[sl] = self._prefill(q[sl], kf[p.kv_slots], vf[p.kv_slots], p.context_len)
+            return out
+
+        return attend
+
+    def _decode(self, q, kf, vf, slots, mask) -> torch.Tensor:
+        d, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        keys = kf[slots].to(q.dtype)  # (D, L, KVH, hd)
+        vals = vf[slots].to(q.dtype)
+        qg = q.view(d, kvh, g, hd)
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * self.scale  # (D, KVH, g, L)
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.einsum("bkgl,blkd->bkgd", probs, vals).reshape(d, kvh * g, hd)
+
+    def _prefill(self, q, keys, vals, context_len: int) -> torch.Tensor:
+        # q: (n, H, hd); keys/vals: (L, KVH, hd) with L = context_len + n
+        n, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        big_l = keys.shape[0]
+        qg = q.view(n, kvh, g, hd).permute(1, 2, 0, 3).reshape(kvh, g * n, hd)  # rows ordered (g, n)
+        kk = keys.to(q.dtype).transpose(0, 1)  # (KVH, L, hd)
+        vv = vals.to(q.dtype).transpose(0, 1)
+        # Query i (absolute position context_len + i) sees keys 0 .. context_len + i.
+        qpos = torch.arange(n, device=q.device) + context_len
+        allowed = torch.arange(big_l, device=q.device)[None, :] <= qpos[:, None]  # (n, L)
+        mask = allowed.repeat(g, 1)  # (g*n, L)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qg, kk, vv, attn_mask=mask, scale=self.scale
+        )  # (KVH, g*n, hd)
+        return o.view(kvh, g, n, hd).permute(2, 0, 1, 3).reshape(n, kvh * g, hd)
+
+
+class FlashInferAttention:
+    """CUDA backend: FlashInfer's paged prefill wrapper fed the same metadata (decodes are q_len 1).
+
+    Written against flashinfer's BatchPrefillWithPagedKVCacheWrapper (NHD layout, (K, V) tuple cache). It
+    can only run where CUDA and flashinfer are present; the torch backend is the reference it is checked
+    against on a GPU machine.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        import flashinfer  # noqa: PLC0415 - optional, CUDA only
+
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        device = cache.k[0].device
+        self._workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+
+    def bind(self, meta: AttentionMetadata):
+        dtype = self.cache.k[0].dtype
+        self._wrapper.plan(
+            meta.qo_indptr,
+            meta.kv_page_indptr,
+            meta.kv_page_indices,
+            meta.kv_last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.cache.block_size,
+            causal=True,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.write(layer, meta.slot_mapping, k, v)
+            return self._wrapper.run(q.to(dtype), (self.cache.k[layer], self.cache.v[layer])).to(q.dtype)
+
+        return attend
+
+
+def make_attention(backend: str, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+    """`auto` picks flashinfer on CUDA when it is installed, else the torch backend."""
+    on_cuda = cache.k[0].is_cuda
+    if backend == "auto":
+        backend = "torch"
+        if on_cuda:
+            try:
+                import flashinfer  # noqa: F401, PLC0415
+
+                backend = "flashinfer"
+            except ImportError:
+                pass
+    if backend == "flashinfer":
+        if not on_cuda:
+            raise ValueError(
+                "the flashinfer attention backend needs a CUDA device; use attention_backend='torch'"
+            )
+        return FlashInferAttention(cache, num_heads, num_kv_heads, head_dim)
+    if backend == "torch":
+        return TorchAttention(cache, num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {backend!r}; choose auto, torch or flashinfer")

@@ -1,0 +1,262 @@
+"""The engine step loop: schedule -> run -> update.
+
+`LLMEngine` is synchronous and single-threaded; the HTTP server drives it from its own thread, and `LLM`
+drives it in a loop. Statistics go to listeners (the metrics module subscribes); the engine itself imports
+no Prometheus.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+
+from stallfree.engine.block_manager import BlockManager, blocks_needed
+from stallfree.engine.config import EngineConfig, SchedulerTunables
+from stallfree.engine.model.loader import LoadedModel, load_model
+from stallfree.engine.model_runner import ModelRunner
+from stallfree.engine.output_processor import OutputProcessor
+from stallfree.engine.outputs import IterationStats, RequestOutput
+from stallfree.engine.request import Request, RequestStatus
+from stallfree.engine.sampling_params import SamplingParams
+from stallfree.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_GB = 1.0
+CUDA_KV_CACHE_FRACTION = 0.5
+
+StatsListener = Callable[[IterationStats, list[RequestOutput]], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class LLMEngine:
+    """Owns the scheduler, the model runner and the request table."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
+        mc = self.loaded.config
+        self.model_config = mc
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            num_blocks=self.num_kv_blocks,
+            block_size=config.cache.block_size,
+            kv_dtype=self.dtype,
+            device=self.device,
+            attention_backend=config.attention_backend,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            seed=config.seed,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.stats_listeners: list[StatsListener] = []
+        self.clock: Callable[[], float] = time.monotonic
+        self.last_stats: IterationStats | None = None
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s policy=%s budget=%d kv_blocks=%d x %d tokens, backend=%s",
+            self.loaded.name,
+            self.device,
+            self.dtype,
+            sched_cfg.policy,
+            sched_cfg.tunables.token_budget,
+            self.num_kv_blocks,
+            config.cache.block_size,
+            self.runner.attention.name,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_token = self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        if cache.kv_cache_memory_gb is not None:
+            budget = cache.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * CUDA_KV_CACHE_FRACTION
+        else:
+            budget = CPU_KV_CACHE_GB * 2**30
+        return max(1, int(budget // (per_token * cache.block_size)))
+
+    # ---- requests -------------------------------------------------------------------------------------
+    @property
+    def tunables(self) -> SchedulerTunables:
+        return self.scheduler.tunables
+
+    def set_tunables(self, tunables: SchedulerTunables) -> None:
+        """Change budget / chunk caps / limits; applies from the next iteration."""
+        self.scheduler.tunables = tunables
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate_prompt(self, ids: Sequence[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's context (max_model_len) is "
+                f"{self.max_model_len}, which must also hold at least one generated token: shorten the prompt"
+            )
+        need = blocks_needed(len(ids) + 1, self.block_manager.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"the prompt needs {need} KV-cache blocks but the cache has {self.num_kv_blocks}: "
+                "shorten the prompt or give the KV cache more memory"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        traffic_cluster: str = "default",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError with an actionable message for bad input."""
+        ids = self.tokenize(prompt)
+        self.validate_prompt(ids, params)
+        for t in params.stop_token_ids:
+            if t >= self.model_config.vocab_size:
+                raise ValueError(
+                    f"stop token id {t} is outside the vocabulary (size {self.model_config.vocab_size})"
+                )
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            traffic_cluster=traffic_cluster,
+            priority=priority,
+        )
+        self.scheduler.add_request(req)
+        self.outputs.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks. Returns its final output, or None if unknown/finished."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        return self._finalize(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finalize(self, req: Request) -> RequestOutput:
+        req.finish_time = self.clock()
+        out = self.outputs.make_output(req)
+        self.outputs.drop(req.request_id)
+        self.runner.release(req.request_id)
+        return out
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of requests that produced a token, finished or failed."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        now = self.clock()
+        if sched.is_empty:
+            return []
+        for c in sched.chunks:
+            req = self.scheduler.get(c.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        try:
+            run = self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
+            logger.exception("model forward failed; failing the %d requests in the batch", len(sched.chunks))
+            return self._fail(sched, f"model execution failed: {type(e).__name__}: {e}")
+        t2 = time.perf_counter()
+        now = self.clock()
+        results: list[RequestOutput] = []
+        for rid, res in run.samples.items():
+            req = self.scheduler.get(rid)
+            if req is None:
+                continue
+            status = self.outputs.append_token(req, res, now)
+            if status is not None:
+                self.scheduler.finish_request(rid, status)
+                results.append(self._finalize(req))
+            else:
+                results.append(self.outputs.make_output(req))
+        t3 = time.perf_counter()
+        stats = self._stats(sched, run, t1 - t0, t3 - t2, now)
+        self.last_stats = stats
+        for listener in self.stats_listeners:
+            listener(stats, results)
+        return results
+
+    def _fail(self, sched, message: str) -> list[RequestOutput]:
+        outs = []
+        for c in sched.chunks:
+            req = self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ERROR)
+            if req is not None:
+                req.error = message
+                outs.append(self._finalize(req))
+        return outs
+
+    def _stats(self, sched, run, t_sched: float, t_update: float, now: float) -> IterationStats:
+        prefill_by: dict[str, int] = {}
+        decode_by: dict[str, int] = {}
+        for c in sched.chunks:
+            d = decode_by if c.is_decode else prefill_by
+            d[c.traffic_cluster] = d.get(c.traffic_cluster, 0) + c.num_tokens
+        n_dec = sum(1 for c in sched.chunks if c.is_decode)
+        return IterationStats(
+            time=now,
+            token_budget=sched.token_budget,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_prefill_requests=len(sched.chunks) - n_dec,
+            num_decode_requests=n_dec,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(sched.preempted),
+            kv_usage=self.block_manager.usage,
+            time_schedule=t_sched,
+            time_prepare=run.time_prepare,
+            time_forward=run.time_forward,
+            time_sample=run.time_sample,
+            time_update=t_update,
+            prefill_tokens_by_cluster=prefill_by,
+            decode_tokens_by_cluster=decode_by,
+        )

@@ -1,0 +1,141 @@
+"""Offline inference in the shape vLLM users know: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from stallfree.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulerTunables,
+    TrafficClusterLimits,
+)
+from stallfree.engine.engine import LLMEngine
+from stallfree.engine.outputs import RequestOutput
+from stallfree.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine plus a loop that runs prompts to completion.
+
+    model=None serves the bundled SmolLM2-135M-Instruct; otherwise a .gguf file or a Hugging Face folder.
+    policy: sarathi (stall-free batching), vllm, orca or static. token_budget caps the tokens of one
+    iteration (sarathi); chunk_align rounds prefill chunks to a tile.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        policy: str = "sarathi",
+        token_budget: int = 512,
+        max_num_seqs: int = 128,
+        block_size: int = 16,
+        dtype: str = "auto",
+        *,
+        max_model_len: int | None = None,
+        chunk_align: int = 0,
+        hybrid_batching: bool = True,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        attention_backend: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        traffic_clusters: Sequence[TrafficClusterLimits] = (),
+        loaded_model: Any = None,
+    ) -> None:
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+            raise ValueError(
+                f"token_budget must be a positive integer (tokens per iteration), got {token_budget!r}"
+            )
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            max_model_len=max_model_len,
+            seed=seed,
+            scheduler=SchedulerConfig(
+                policy=policy,
+                max_num_seqs=max_num_seqs,
+                chunk_align=chunk_align,
+                hybrid_batching=hybrid_batching,
+                tunables=SchedulerTunables(token_budget=token_budget, clusters=tuple(traffic_clusters)),
+            ),
+            cache=CacheConfig(
+                block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb
+            ),
+        )
+        self.engine = LLMEngine(config, loaded=loaded_model)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt (a string or a list of token ids) to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = self._params_for(len(prompts), sampling_params)
+        # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
+        token_ids = [self.engine.tokenize(p) for p in prompts]
+        for ids, sp in zip(token_ids, params, strict=True):
+            self.engine.validate_prompt(ids, sp)
+        return self._run(token_ids, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        if not messages:
+            raise ValueError("messages is empty: give at least one {'role': ..., 'content': ...} message")
+        convs: list[Messages] = [messages] if isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        tok = self.engine.tokenizer
+        token_ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self.generate(token_ids, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _params_for(n: int, sp: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts: give one, or one per prompt")
+        return sp
+
+    def _run(
+        self, token_ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"gen-{next(self._ids)}" for _ in token_ids]
+        for rid, t, sp in zip(ids, token_ids, params, strict=True):
+            engine.add_request(rid, t, sp)
+        done: dict[str, RequestOutput] = {}
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not show) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[r] for r in ids]

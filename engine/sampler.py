@@ -1,0 +1,110 @@
+"""Turn the last logits of each sampled request into a token (and its log-probabilities).
+
+Greedy rows take the argmax in one vectorised call. Other rows are processed one by one with their own
+`torch.Generator`: a seeded request draws the same tokens whatever else shares its batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stallfree.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # log-probability of the chosen token under the model's distribution
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the `logprobs` most likely tokens, best first
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """What the sampler needs about one row."""
+
+    request_id: str
+    params: SamplingParams
+    num_output_tokens: int
+
+
+class Sampler:
+    def __init__(
+        self, stop_token_ids: frozenset[int], seed: int = 0, device: torch.device | None = None
+    ) -> None:
+        self.stop_token_ids = stop_token_ids
+        self._generators: dict[str, torch.Generator] = {}
+        self._device = device or torch.device("cpu")
+        self._default = torch.Generator(device=self._device)
+        self._default.manual_seed(seed)
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, req: SampleRequest) -> torch.Generator:
+        if req.params.seed is None:
+            return self._default
+        g = self._generators.get(req.request_id)
+        if g is None:
+            g = torch.Generator(device=self._device)
+            g.manual_seed(req.params.seed)
+            self._generators[req.request_id] = g
+        return g
+
+    def _suppressed(self, req: SampleRequest) -> list[int]:
+        """Stop tokens that may not be chosen yet (min_tokens)."""
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            return []
+        ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids |= self.stop_token_ids
+        return sorted(ids)
+
+    def sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampleResult]:
+        """logits: (N, V) float32, one row per request in `reqs`."""
+        logits = logits.float()
+        for i, r in enumerate(reqs):
+            banned = self._suppressed(r)
+            if banned:
+                logits[i, banned] = float("-inf")
+        need_lp = any(r.params.logprobs is not None for r in reqs)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None  # (N, V)
+        tokens = torch.argmax(logits, dim=-1)  # greedy for every row; sampled rows are replaced below
+        for i, r in enumerate(reqs):
+            if not r.params.greedy:
+                tokens[i] = self._sample_row(logits[i], r.params, self._generator(r))
+        token_list = tokens.tolist()
+        results = []
+        for i, r in enumerate(reqs):
+            tok = token_list[i]
+            if logprobs is None or r.params.logprobs is None:
+                results.append(SampleResult(tok))
+                continue
+            row = logprobs[i]
+            top: tuple[tuple[int, float], ...] = ()
+            if r.params.logprobs > 0:
+                vals, ids = torch.topk(row, r.params.logprobs)
+                top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+            results.append(SampleResult(tok, float(row[tok]), top))
+        return results
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+        # row: (V,) float32 logits
+        row = row / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(row, min(p.top_k, row.shape[0])).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the best token).
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            probs /= probs.sum()
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, and takes a generator.
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return int(torch.argmax(probs / noise))

@@ -1,0 +1,28 @@
+"""Shared test set-up: factories live in plain modules next to the tests (tests/factories.py, ...)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS = Path(__file__).parent
+for p in (_TESTS, _TESTS / "engine"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+# The box has 2 shared cores: keep torch from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The bundled SmolLM2-135M-Instruct, loaded once per session in float32 (CPU)."""
+    import torch
+
+    from stallfree.engine.model.loader import load_model
+
+    torch.set_num_threads(2)
+    return load_model(None, dtype=torch.float32)

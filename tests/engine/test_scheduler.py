@@ -1,0 +1,180 @@
+"""Scheduler policies on fake model steps: budgets, decode-first, chunking, preemption, invariants."""
+
+import pytest
+from factories import drive, make_request, make_requests, make_scheduler
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stallfree.engine.config import SchedulerTunables, TrafficClusterLimits
+from stallfree.engine.request import RequestStatus
+
+
+def test_sarathi_chunks_a_long_prompt_under_the_budget():
+    s = make_scheduler(token_budget=64)
+    outs = drive(s, make_requests([200], max_tokens=2))
+    prefill = [o for o in outs if o.num_prefill_tokens]
+    assert [o.num_prefill_tokens for o in prefill] == [64, 64, 64, 8]
+    # Positions continue across chunks: each chunk starts where the last one ended.
+    assert [o.chunks[0].start for o in prefill] == [0, 64, 128, 192]
+    assert [o.chunks[0].sample for o in prefill] == [False, False, False, True]
+
+
+def test_sarathi_puts_decodes_first_and_fills_the_rest_with_prefill():
+    s = make_scheduler(token_budget=32)
+    short = make_request(4, max_tokens=50, arrival=0)
+    long = make_request(300, max_tokens=2, arrival=1)
+    s.add_request(short)
+    o1 = s.schedule()  # short prefill only
+    assert o1.num_prefill_tokens == 4
+    s.get(short.request_id).output_token_ids.append(9)
+    s.add_request(long)
+    o2 = s.schedule()
+    assert o2.chunks[0].request_id == short.request_id and o2.chunks[0].is_decode
+    assert o2.num_decode_tokens == 1 and o2.num_prefill_tokens == 31
+    assert o2.num_tokens == 32
+
+
+def test_chunk_alignment_rounds_all_but_the_last_chunk():
+    s = make_scheduler(token_budget=100, chunk_align=32)
+    outs = drive(s, make_requests([150], max_tokens=1))
+    assert [o.num_prefill_tokens for o in outs] == [96, 54]
+
+
+def test_cluster_chunk_cap_limits_prefill_tokens_per_iteration():
+    caps = (TrafficClusterLimits("docs", chunk_cap=16),)
+    s = make_scheduler(token_budget=64, clusters=caps)
+    outs = drive(
+        s, [make_request(40, max_tokens=1, cluster="docs"), make_request(40, max_tokens=1, arrival=1)]
+    )
+    first = outs[0]
+    by_cluster = {c.traffic_cluster: c.num_tokens for c in first.chunks}
+    assert by_cluster == {"docs": 16, "default": 40}
+
+
+def test_cluster_max_running_holds_back_admission():
+    lim = (TrafficClusterLimits("chat", max_running=1),)
+    s = make_scheduler(token_budget=256, clusters=lim)
+    for r in make_requests([8, 8, 8], cluster="chat"):
+        s.add_request(r)
+    s.schedule()
+    assert s.num_running == 1 and s.num_waiting == 2
+
+
+def test_budget_change_applies_from_the_next_iteration():
+    s = make_scheduler(token_budget=64)
+    s.add_request(make_request(500, max_tokens=1))
+    assert s.schedule().num_tokens == 64
+    s.tunables = SchedulerTunables(token_budget=128)
+    assert s.schedule().num_tokens == 128
+
+
+def test_vllm_runs_whole_prompts_in_prefill_only_batches():
+    s = make_scheduler(policy="vllm", token_budget=64)
+    outs = drive(s, make_requests([100, 30, 300], max_tokens=3))
+    for o in outs:
+        assert not (o.num_prefill_tokens and o.num_decode_tokens), "vllm mixed prefill and decode"
+        for c in o.chunks:
+            if not c.is_decode:
+                assert c.start == 0 and c.sample, "vllm split a prompt"
+
+
+def test_orca_mixes_decodes_with_whole_prompts():
+    s = make_scheduler(policy="orca")
+    s.add_request(make_request(10, max_tokens=5))
+    s.schedule()
+    fake = s.running[0]
+    fake.output_token_ids.append(3)
+    s.add_request(make_request(500, max_tokens=2))
+    o = s.schedule()
+    assert o.num_decode_tokens == 1 and o.num_prefill_tokens == 500
+
+
+def test_static_admits_nothing_until_the_batch_drains():
+    s = make_scheduler(policy="static", max_num_seqs=2)
+    outs = drive(s, make_requests([5, 5, 5], max_tokens=3))
+    admitted = [sorted(c.request_id for c in o.chunks if c.start == 0 and not c.is_decode) for o in outs]
+    admissions = [a for a in admitted if a]
+    assert len(admissions) == 2 and len(admissions[0]) == 2 and len(admissions[1]) == 1
+    # The second admission happens only after both of the first batch finished (3 tokens each).
+    second = next(i for i, a in enumerate(admitted) if a == admissions[1])
+    assert second >= 3
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    s = make_scheduler(token_budget=64, num_blocks=6, block_size=4, max_num_seqs=4)
+    reqs = make_requests([8, 8], max_tokens=12)
+    outs = drive(s, reqs)
+    assert any(o.preempted for o in outs)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert any(r.num_preemptions for r in reqs)
+    assert s.block_manager.num_free_blocks == 6
+
+
+def test_priority_decides_admission_order():
+    s = make_scheduler(token_budget=8)
+    low = make_request(8, priority=0, arrival=0)
+    high = make_request(8, priority=5, arrival=1)
+    s.add_request(low)
+    s.add_request(high)
+    assert s.schedule().chunks[0].request_id == high.request_id
+
+
+POLICIES = ["sarathi", "vllm", "orca", "static"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(POLICIES),
+    prompt_lens=st.lists(st.integers(1, 120), min_size=1, max_size=10),
+    max_tokens=st.integers(1, 12),
+    budget=st.integers(8, 96),
+    num_blocks=st.integers(12, 64),
+    align=st.sampled_from([0, 8]),
+    hybrid=st.booleans(),
+)
+def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid):
+    block_size = 8
+    max_num_seqs = 6
+    budget = max(budget, max_num_seqs)  # room for every running decode
+    # Every request must be able to run alone, or nothing can finish.
+    num_blocks = max(num_blocks, (max(prompt_lens) + max_tokens) // block_size + 2)
+    s = make_scheduler(
+        policy=policy,
+        token_budget=budget,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        chunk_align=align,
+        hybrid_batching=hybrid,
+    )
+    reqs = make_requests(prompt_lens, max_tokens=max_tokens)
+
+    def check(sched, out, before):
+        sched.block_manager.check_invariants()
+        assert len(sched.running) <= max_num_seqs
+        if policy == "sarathi":
+            assert out.num_tokens <= budget
+            if hybrid:
+                # Every decode that was running and was not preempted got its one token.
+                scheduled = {c.request_id for c in out.chunks}
+                for rid, (status, in_decode) in before.items():
+                    r = sched.get(rid)
+                    if in_decode and r is not None and r.status is RequestStatus.RUNNING:
+                        assert rid in scheduled, "a running decode was skipped"
+        for c in out.chunks:
+            r = sched.get(c.request_id)
+            assert c.num_tokens >= 1
+            assert c.start + c.num_tokens <= r.num_tokens
+            assert len(c.block_table) * block_size >= c.start + c.num_tokens
+
+    drive(s, reqs, max_steps=5000, on_step=check)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert all(len(r.output_token_ids) == max_tokens for r in reqs)
+    assert s.block_manager.num_free_blocks == num_blocks
+
+
+def test_tunables_validate():
+    with pytest.raises(ValueError, match="token_budget"):
+        SchedulerTunables(token_budget=0)
+    with pytest.raises(ValueError, match="unique"):
+        SchedulerTunables(clusters=(TrafficClusterLimits("a"), TrafficClusterLimits("a")))
