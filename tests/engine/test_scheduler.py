@@ -157,7 +157,7 @@ def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_block
             if hybrid:
                 # Every decode that was running and was not preempted got its one token.
                 scheduled = {c.request_id for c in out.chunks}
-                for rid, (status, in_decode) in before.items():
+                for rid, (_status, in_decode) in before.items():
                     r = sched.get(rid)
                     if in_decode and r is not None and r.status is RequestStatus.RUNNING:
                         assert rid in scheduled, "a running decode was skipped"
