@@ -1,0 +1,286 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over one flattened ragged batch.
+
+The model sees T tokens from many requests at once, with their **absolute** positions, and never the KV
+cache: attention is a callable handed in by the caller (the model runner), which owns the cache pages and
+the per-request batch metadata. Shapes use T = tokens in the batch, nh = query heads, nkv = key/value
+heads, hd = head dim, C = hidden size.
+
+Parameter names follow Hugging Face checkpoint keys, except that q/k/v are fused into `qkv_proj` and
+gate/up into `gate_up_proj` (one matmul each instead of three/two, which matters on CPU);
+`load_hf_state_dict` does that fusing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stallfree.engine.model.config import Llama3RopeScaling, LlamaConfig
+
+
+class AttentionFn(Protocol):
+    """Causal attention over the KV cache, supplied by the model runner.
+
+    Called once per layer with this batch's new queries/keys/values, already rotated (RoPE):
+    q `(T, nh, hd)`, k and v `(T, nkv, hd)`. It must store k/v in its cache and return `(T, nh, hd)`:
+    each token attending to its own request's history plus the causal part of the current chunk.
+    K/V heads are not repeated for grouped-query attention: query head h reads kv head h // (nh // nkv).
+    """
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 whatever the parameter dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> Tensor:
+    """Inverse frequencies (hd/2,) of the rotary embedding, with optional Llama 3.1 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed down by `factor`; short ones are kept; the band between is blended.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, blended, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the Hugging Face "rotate_half" layout: dims i and i + hd/2 form a rotating pair.
+
+    cos/sin are precomputed for every position up to max_position_embeddings and indexed by the absolute
+    positions of the batch's tokens.
+    """
+
+    def __init__(self, config: LlamaConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)  # (max_pos, hd/2)
+        # Not persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (T, 1, hd/2) for positions (T,); broadcast over heads."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (T, n, hd) by position: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), halves of hd."""
+    x1, x2 = x.chunk(2, dim=-1)  # (T, n, hd/2) each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # (T, nh, hd)
+        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # (T, nkv, hd)
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, self.q_size))  # (T, C)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head. `forward` returns final hidden states; `compute_logits` projects them.
+
+    Logits are computed separately so that the runner projects only the rows it samples from (the last
+    token of a finished prefill, each decode), not every prompt token.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # With tied embeddings the LM head *is* the embedding matrix; there is no separate parameter.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
+        """Run the decoder over one flattened ragged batch.
+
+        input_ids, positions: (T,) int64. NOTE: positions are absolute (the token's index in its own
+        request, counting the cached history), not offsets within this chunk or batch; a prefill chunk
+        starting at token 512 of its prompt uses positions 512, 513, ... Each must be below
+        config.max_position_embeddings. Returns hidden states (T, C) after the final norm.
+        """
+        cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, shared by all layers
+        x = self.model.embed_tokens(input_ids)  # (T, C)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """(N, C) hidden states -> (N, vocab) float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def num_params(self) -> int:
+        """Number of weights (a tied embedding counted once; rotary caches are buffers, not counted)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV-cache bytes one token needs across all layers: 2 * layers * nkv * hd * element size."""
+        return self.config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, weights: Mapping[str, Tensor]) -> None:
+        """Copy weights named as in a Hugging Face Llama checkpoint into this model (fusing q/k/v, gate/up).
+
+        Raises ValueError naming the missing, unexpected or mis-shaped tensors.
+        """
+        load_hf_weights(self, weights)
+
+    @classmethod
+    def from_hf_state_dict(
+        cls,
+        config: LlamaConfig,
+        weights: Mapping[str, Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> LlamaForCausalLM:
+        """Build the model straight from HF-named weights, without a wasted random initialisation.
+
+        The (fused) checkpoint tensors become the parameters themselves when dtype and device already
+        match: no copy. Raises ValueError when names or shapes do not match the config.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        fused = {k: v.to(device=device, dtype=dtype) for k, v in hf_to_fused(config, weights).items()}
+        _check_names_and_shapes(model, fused)
+        model.load_state_dict(fused, strict=True, assign=True)
+        model.rotary = RotaryEmbedding(config, device=device)  # its buffers are derived, not loaded
+        return model.eval()
+
+
+def hf_to_fused(config: LlamaConfig, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Map HF checkpoint keys to this module's keys: q/k/v -> qkv_proj, gate/up -> gate_up_proj.
+
+    Ignores `*.rotary_emb.inv_freq` (a derived buffer some checkpoints carry) and `lm_head.weight` when
+    the embeddings are tied.
+    """
+    out: dict[str, Tensor] = {}
+    pending: dict[str, Tensor] = {}
+    for name, tensor in weights.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            pending[name] = tensor
+        else:
+            out[name] = tensor
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        for kind in ("weight", "bias"):
+            parts = [pending.pop(f"{attn}.{p}.{kind}", None) for p in ("q_proj", "k_proj", "v_proj")]
+            if all(p is not None for p in parts):
+                out[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts, dim=0)  # type: ignore[arg-type]
+            elif any(p is not None for p in parts):
+                raise ValueError(f"layer {i}: q_proj/k_proj/v_proj {kind}s must all be present or all absent")
+        gate, up = pending.pop(f"{mlp}.gate_proj.weight", None), pending.pop(f"{mlp}.up_proj.weight", None)
+        if gate is not None and up is not None:
+            out[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+    if pending:
+        raise ValueError(f"unexpected weights for a {config.num_layers}-layer model: {sorted(pending)[:5]}")
+    return out
+
+
+def load_hf_weights(model: LlamaForCausalLM, weights: Mapping[str, Tensor]) -> None:
+    """Copy HF-named weights into `model` in place (see `hf_to_fused`), checking names and shapes."""
+    fused = hf_to_fused(model.config, weights)
+    _check_names_and_shapes(model, fused)
+    params = dict(model.named_parameters())
+    for name, tensor in fused.items():
+        params[name].copy_(tensor)
+
+
+def _check_names_and_shapes(model: nn.Module, fused: Mapping[str, Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(fused))
+    unexpected = sorted(set(fused) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, tensor in fused.items():
+        if tuple(params[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != shape {tuple(params[name].shape)} from the config"
+            )

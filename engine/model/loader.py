@@ -1,0 +1,58 @@
+"""One entry point for loading a model: the bundled default, a GGUF file, or a Hugging Face folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stallfree.engine.model.config import LlamaConfig
+from stallfree.engine.model.llama import LlamaForCausalLM
+from stallfree.engine.model.tokenizer import Tokenizer
+from stallfree.engine.paths import DEFAULT_MODEL_NAME, default_model_path
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model in eval mode with the tokenizer and config it came with; `name` is what clients call it."""
+
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    name: str
+
+
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """Load a Llama-family model and its tokenizer.
+
+    path: None for the bundled SmolLM2-135M-Instruct; a `.gguf` file; or a Hugging Face folder with
+    config.json, *.safetensors and tokenizer.json. Nothing is downloaded.
+    Raises FileNotFoundError when the path does not exist or lacks files, ValueError for unsupported
+    architectures, quantization types or tokenizers.
+    """
+    if path is None:
+        from stallfree.engine.model.gguf_loader import load_gguf
+
+        model, tokenizer, config = load_gguf(default_model_path(), dtype=dtype, device=device)
+        return LoadedModel(model, tokenizer, config, DEFAULT_MODEL_NAME)
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {path} does not exist (pass a .gguf file or a Hugging Face folder)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"{path}: model files must be .gguf; for safetensors pass the folder that holds them"
+            )
+        from stallfree.engine.model.gguf_loader import load_gguf
+
+        model, tokenizer, config = load_gguf(path, dtype=dtype, device=device)
+        return LoadedModel(model, tokenizer, config, path.stem)
+    from stallfree.engine.model.hf_loader import load_hf_folder
+
+    model, tokenizer, config = load_hf_folder(path, dtype=dtype, device=device)
+    return LoadedModel(model, tokenizer, config, path.resolve().name)
