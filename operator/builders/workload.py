@@ -1,0 +1,282 @@
+"""Engine pods: the pod template and the workload that runs it.
+
+One replica on one node -> a Deployment. One replica spanning nodes (tensor x pipeline > gpusPerNode) -> a
+LeaderWorkerSet when that API exists, else one StatefulSet per replica behind a headless Service, with rank
+environment variables.
+"""
+
+from __future__ import annotations
+
+from stallfree.operator.builders.config import engine_config, token_budget
+from stallfree.operator.builders.meta import (
+    ANNOTATION_CONFIG_HASH,
+    CONFIG_DIR,
+    CONFIG_KEY,
+    LABEL_REPLICA,
+    MODELS_DIR,
+    BuildContext,
+    admin_secret_name,
+    config_map_name,
+    content_hash,
+    headless_service_name,
+    labels,
+    metadata,
+    replica_group_name,
+    selector_labels,
+)
+
+ENGINE_CONTAINER = "engine"
+ENGINE_UID = 1000
+DIST_PORT = 29500  # torch.distributed rendezvous between the pods of one replica
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+STS_POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+
+def engine_model_arg(ctx: BuildContext) -> str:
+    source = ctx.spec.model.source
+    if source.type == "Bundled":
+        return ctx.spec.model.name
+    if source.type == "PersistentVolumeClaim":
+        return f"{MODELS_DIR}/{(source.path or '').strip('/')}".rstrip("/")
+    return MODELS_DIR
+
+
+def engine_args(ctx: BuildContext) -> list[str]:
+    """Arguments of `stallfree serve` (the engine's CLI contract)."""
+    s = ctx.spec
+    return [
+        "--model", engine_model_arg(ctx),
+        "--host", "0.0.0.0",
+        "--port", str(s.engine.port),
+        "--policy", s.engine.policy,
+        "--token-budget", str(token_budget(ctx, tuned=False)),
+        "--max-num-seqs", str(s.engine.max_num_seqs),
+        "--block-size", str(s.engine.block_size),
+        "--dtype", s.model.dtype,
+        "--traffic-clusters", f"{CONFIG_DIR}/{CONFIG_KEY}",
+        "--tensor-parallel-size", str(s.parallelism.tensor),
+        "--pipeline-parallel-size", str(s.parallelism.pipeline),
+    ]  # fmt: skip
+
+
+def _env(ctx: BuildContext) -> list[dict]:
+    admin = ctx.spec.engine.admin_token_secret
+    admin_ref = (
+        {"name": admin.name, "key": admin.key}
+        if admin
+        else {"name": admin_secret_name(ctx.owner), "key": "token"}
+    )
+    env = [
+        {"name": "STALLFREE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": admin_ref}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    api_key = ctx.spec.engine.api_key_secret
+    if api_key:
+        env.append(
+            {
+                "name": "STALLFREE_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}},
+            }
+        )
+    return env
+
+
+def _resources(ctx: BuildContext) -> dict:
+    r = ctx.spec.resources
+    requests = {"cpu": str(r.cpu), "memory": str(r.memory)}
+    limits = {"memory": str(r.memory)}  # no CPU limit: throttling an engine's step loop only adds latency
+    gpus = ctx.spec.gpus_per_pod
+    if gpus:
+        requests[r.gpu_resource_name] = str(gpus)
+        limits[r.gpu_resource_name] = str(gpus)  # extended resources need limit == request
+    return {"requests": requests, "limits": limits}
+
+
+def _volumes(ctx: BuildContext) -> tuple[list[dict], list[dict]]:
+    volumes = [
+        {"name": "config", "configMap": {"name": config_map_name(ctx.owner)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(ctx.spec.resources.shm_size)}},
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    source = ctx.spec.model.source
+    if source.type == "PersistentVolumeClaim":
+        volumes.append(
+            {"name": "models", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}}
+        )
+    elif source.type == "HostPath":
+        volumes.append({"name": "models", "hostPath": {"path": source.path, "type": "Directory"}})
+    if source.type != "Bundled":
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def _probe(path: str, period: int, failures: int) -> dict:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 3,
+    }
+
+
+def engine_container(ctx: BuildContext, extra_env: list[dict] | None = None) -> dict:
+    volumes_mounts = _volumes(ctx)[1]
+    return {
+        "name": ENGINE_CONTAINER,
+        "image": ctx.engine_image,
+        "imagePullPolicy": ctx.spec.engine.image_pull_policy,
+        "command": ["stallfree", "serve"],
+        "args": engine_args(ctx),
+        "ports": [{"name": "http", "containerPort": ctx.spec.engine.port, "protocol": "TCP"}],
+        "env": _env(ctx) + (extra_env or []),
+        "resources": _resources(ctx),
+        "volumeMounts": volumes_mounts,
+        # Loading weights can take minutes: the startup probe holds liveness off for up to 20 of them.
+        "startupProbe": _probe("/health", 5, 240),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 2),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def pod_template(
+    ctx: BuildContext, extra_labels: dict | None = None, extra_env: list[dict] | None = None
+) -> dict:
+    """The engine pod. Its config-hash annotation covers the spec-derived engine config only, so a spec
+    change rolls the pods while the budget controller's run-time tuning (admin API) does not."""
+    spec = ctx.spec
+    pod: dict = {
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.engine.drain_seconds,  # SIGTERM = drain, then exit
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [engine_container(ctx, extra_env)],
+        "volumes": _volumes(ctx)[0],
+    }
+    if spec.resources.node_selector:
+        pod["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations
+        ]
+    return {
+        "metadata": {
+            "labels": {**labels(ctx.owner), **(extra_labels or {})},
+            "annotations": {
+                ANNOTATION_CONFIG_HASH: content_hash(engine_config(ctx, tuned=False)),
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(spec.engine.port),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": pod,
+    }
+
+
+def build_deployment(ctx: BuildContext) -> dict:
+    """One pod per replica. Rolling updates surge one pod and never drop below the desired count, so a
+    spec change keeps serving (it waits for a free GPU slot instead of taking one away)."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(ctx.owner, ctx.owner.name),
+        "spec": {
+            "replicas": ctx.replicas,
+            "selector": {"matchLabels": selector_labels(ctx.owner)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 5,
+            "template": pod_template(ctx),
+        },
+    }
+
+
+def _group_env(ctx: BuildContext, rank_label: str, leader: str) -> list[dict]:
+    return [
+        {"name": "STALLFREE_NUM_NODES", "value": str(ctx.spec.pods_per_replica)},
+        {
+            "name": "STALLFREE_NODE_RANK",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{rank_label}']"}},
+        },
+        {"name": "STALLFREE_LEADER_ADDRESS", "value": leader},
+        {"name": "MASTER_ADDR", "value": leader},
+        {"name": "MASTER_PORT", "value": str(DIST_PORT)},
+    ]
+
+
+def build_replica_group_statefulsets(ctx: BuildContext) -> list[dict]:
+    """One StatefulSet per replica: pod i of it is node rank i, pod 0 leads and serves HTTP."""
+    owner, headless = ctx.owner, headless_service_name(ctx.owner)
+    out = []
+    for index in range(ctx.replicas):
+        name = replica_group_name(owner, index)
+        leader = f"{name}-0.{headless}.{owner.namespace}.svc"
+        group = {LABEL_REPLICA: str(index)}
+        template = pod_template(ctx, group, _group_env(ctx, STS_POD_INDEX_LABEL, leader))
+        out.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "metadata": _sts_meta(ctx, name, group),
+                "spec": {
+                    "replicas": ctx.spec.pods_per_replica,
+                    "serviceName": headless,
+                    "podManagementPolicy": "Parallel",  # ranks start together; rendezvous waits for all
+                    "selector": {"matchLabels": {**selector_labels(owner), **group}},
+                    "updateStrategy": {"type": "RollingUpdate"},
+                    "template": template,
+                },
+            }
+        )
+    return out
+
+
+def _sts_meta(ctx: BuildContext, name: str, group: dict) -> dict:
+    meta = metadata(ctx.owner, name)
+    meta["labels"] = {**meta["labels"], **group}
+    return meta
+
+
+def build_leader_worker_set(ctx: BuildContext) -> dict:
+    """LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): one group of pods_per_replica pods per replica;
+    LWS injects LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX as well."""
+    owner = ctx.owner
+    leader = "$(LWS_LEADER_ADDRESS)"  # set by LWS on every pod of the group
+    template = pod_template(ctx, None, _group_env(ctx, LWS_WORKER_INDEX_LABEL, leader))
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(owner, owner.name),
+        "spec": {
+            "replicas": ctx.replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "leaderWorkerTemplate": {
+                "size": ctx.spec.pods_per_replica,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": template,
+            },
+        },
+    }
+
+
+def build_workloads(ctx: BuildContext) -> list[dict]:
+    if not ctx.spec.multi_node:
+        return [build_deployment(ctx)]
+    if ctx.features.leader_worker_set:
+        return [build_leader_worker_set(ctx)]
+    return build_replica_group_statefulsets(ctx)

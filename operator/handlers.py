@@ -1,0 +1,123 @@
+"""kopf handlers: thin wrappers that delegate to stallfree.operator.reconcile.
+
+Handlers are registered on a registry built by make_registry(config), so start-up settings (the timer
+period among them) are read once and passed down. A per-resource timer for the budget controller
+(stallfree.operator.controller) can be added to the same registry later.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from stallfree.operator.builders.meta import LABEL_DEPLOYMENT, MANAGED_BY
+from stallfree.operator.kube import Kube
+from stallfree.operator.reconcile import OperatorConfig, Reconciler
+from stallfree.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from stallfree.operator.status import differs, merge_conditions
+
+log = logging.getLogger(__name__)
+ANNOTATION_PREFIX = "serving.stallfree.dev"
+
+
+def _invalid_spec_status(body: dict, message: str) -> dict:
+    g = body["metadata"].get("generation", 1)
+    cond = {
+        "type": "Degraded",
+        "status": "True",
+        "reason": "InvalidSpec",
+        "message": message,
+        "observedGeneration": g,
+    }
+    return {
+        "phase": "Degraded",
+        "conditions": merge_conditions((body.get("status") or {}).get("conditions"), [cond]),
+    }
+
+
+def _run(reconciler: Reconciler, body: dict, patch: kopf.Patch, logger: Any) -> None:
+    try:
+        status = reconciler.reconcile(dict(body), logger)
+    except (ValidationError, ValueError) as e:
+        patch.status.update(_invalid_spec_status(dict(body), str(e)))
+        raise kopf.PermanentError(f"invalid spec: {e}") from e
+    except ApiException as e:
+        # Conflicts, throttling, a webhook or API server hiccup, or missing RBAC: try again shortly.
+        raise kopf.TemporaryError(f"Kubernetes API error {e.status}: {e.reason}", delay=10) from e
+    if differs(body.get("status"), status):
+        patch.status.update(status)
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    # The CRD's status has a structural schema (no room for kopf's own fields): keep kopf's bookkeeping
+    # in annotations instead.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.peering.standalone = True
+    settings.posting.level = logging.INFO  # handler log lines at INFO and above become Kubernetes Events
+    settings.watching.server_timeout = 300
+    settings.execution.max_workers = 8
+
+
+def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    cr = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure_settings(settings)
+        memo.reconciler = Reconciler(Kube(), config)
+        log.info(
+            "stallfree operator: engine image %s, resync every %ss",
+            config.engine_image,
+            config.resync_seconds,
+        )
+
+    @kopf.on.create(**cr, id="reconcile")
+    @kopf.on.update(**cr, id="reconcile")
+    @kopf.on.resume(**cr, id="reconcile")
+    def reconcile(body: kopf.Body, patch: kopf.Patch, logger: Any, memo: kopf.Memo, **_: Any) -> None:
+        _run(memo.reconciler, body, patch, logger)
+
+    @kopf.timer(**cr, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
+    def resync(body: kopf.Body, patch: kopf.Patch, logger: Any, memo: kopf.Memo, **_: Any) -> None:
+        """Corrects drift (a child edited or deleted by hand) and refreshes the status."""
+        _run(memo.reconciler, body, patch, logger)
+
+    @kopf.on.delete(**cr, id="deleted", optional=True)
+    def deleted(name: str, logger: Any, **_: Any) -> None:
+        # Children carry owner references: the garbage collector removes them; nothing blocks deletion.
+        logger.info("SarathiDeployment %s deleted; its children go with it", name)
+
+    children = {"labels": {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_DEPLOYMENT: kopf.PRESENT}}
+
+    @kopf.on.event("pods", **children, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", **children, registry=registry)
+    def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        """A pod or Deployment of ours moved: refresh the owner's status now rather than at the next resync."""
+        meta = body["metadata"]
+        refresh_status(memo.reconciler, meta["namespace"], meta["labels"][LABEL_DEPLOYMENT])
+
+    return registry
+
+
+def refresh_status(reconciler: Reconciler, namespace: str, name: str) -> None:
+    kube = reconciler.kube
+    try:
+        body = kube.get(API_VERSION, KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        ctx = reconciler.context(body)
+        status = reconciler.status(ctx, body)
+        if differs(body.get("status"), status):
+            kube.patch_status(API_VERSION, KIND, namespace, name, status)
+    except (ValidationError, ValueError):
+        return  # the main handler reports invalid specs
+    except ApiException as e:
+        log.warning("could not refresh status of %s/%s: %s %s", namespace, name, e.status, e.reason)

@@ -1,0 +1,221 @@
+"""Reconciliation: apply a SarathiDeployment's children and work out its status.
+
+Synchronous and free of kopf, so it can be driven by the kopf handlers (in kopf's thread pool), by tests,
+and later by the budget controller (stallfree.operator.controller) without an event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from stallfree.operator import builders
+from stallfree.operator.builders.meta import (
+    LABEL_DEPLOYMENT,
+    MANAGED_BY,
+    BuildContext,
+    Features,
+    Owner,
+    Tuned,
+    admin_secret_name,
+    selector_string,
+)
+from stallfree.operator.kube import Kube
+from stallfree.operator.spec import SarathiSpec, parse_spec
+from stallfree.operator.status import Observed, status_patch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENGINE_IMAGE = "stallfree/engine:0.1.0"
+FAILING_REASONS = {
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "InvalidImageName",
+}
+# Kinds the operator may have created, for pruning what the current spec no longer wants.
+PRUNABLE = (
+    ("apps/v1", "Deployment"),
+    ("apps/v1", "StatefulSet"),
+    ("v1", "Service"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Operator settings, read once at start-up (CLI flags) and passed down."""
+
+    engine_image: str = DEFAULT_ENGINE_IMAGE
+    prometheus_url: str | None = None
+    resync_seconds: float = 30.0  # drift-correcting timer period
+    features_ttl_seconds: float = 60.0  # how long a look at optional APIs (ServiceMonitor, LWS) is trusted
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self.kube = kube
+        self.config = config
+        self._features: tuple[float, Features] | None = None
+
+    # ---- inputs -------------------------------------------------------------------------------------
+    def features(self) -> Features:
+        now = time.monotonic()
+        if self._features is None or now - self._features[0] > self.config.features_ttl_seconds:
+            found = Features(
+                service_monitor=self.kube.has_api("monitoring.coreos.com/v1", "ServiceMonitor"),
+                leader_worker_set=self.kube.has_api("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+            )
+            self._features = (now, found)
+        return self._features[1]
+
+    def context(self, body: dict, spec: SarathiSpec | None = None) -> BuildContext:
+        spec = spec or parse_spec(body.get("spec") or {})
+        return BuildContext(
+            owner=Owner.from_body(body),
+            spec=spec,
+            raw_spec=dict(body.get("spec") or {}),
+            engine_image=spec.engine.image or self.config.engine_image,
+            tuned=Tuned.from_status(body.get("status")),
+            features=self.features(),
+        )
+
+    # ---- writes -------------------------------------------------------------------------------------
+    def apply_children(self, ctx: BuildContext, events: logging.Logger | logging.LoggerAdapter) -> list[str]:
+        """Create or patch every child; delete the ones the spec no longer wants. Returns what changed
+        ("created Deployment x", ...); each change is also logged to `events` (kopf makes them Events)."""
+        changes: list[str] = []
+        if ctx.spec.engine.admin_token_secret is None:
+            name = admin_secret_name(ctx.owner)
+            if self.kube.get("v1", "Secret", ctx.owner.namespace, name) is None:
+                self.kube.create(builders.build_admin_secret(ctx.owner, secrets.token_urlsafe(32)))
+                changes.append(f"created Secret {name}")
+        wanted: set[tuple[str, str]] = set()
+        for manifest in builders.build_children(ctx):
+            applied = self.kube.apply(manifest)
+            wanted.add((manifest["kind"], manifest["metadata"]["name"]))
+            if applied.action != "unchanged":
+                changes.append(f"{applied.action} {manifest['kind']} {manifest['metadata']['name']}")
+        changes += self._prune(ctx, wanted)
+        for change in changes:
+            events.info("%s", change)
+        return changes
+
+    def _prune(self, ctx: BuildContext, wanted: set[tuple[str, str]]) -> list[str]:
+        feats = ctx.features
+        selector = f"{LABEL_DEPLOYMENT}={ctx.owner.name},app.kubernetes.io/managed-by={MANAGED_BY}"
+        deleted = []
+        for api_version, kind in PRUNABLE:
+            if (kind == "LeaderWorkerSet" and not feats.leader_worker_set) or (
+                kind == "ServiceMonitor" and not feats.service_monitor
+            ):
+                continue
+            for obj in self.kube.list(api_version, kind, ctx.owner.namespace, selector):
+                meta = obj["metadata"]
+                owned = any(ref.get("uid") == ctx.owner.uid for ref in meta.get("ownerReferences") or [])
+                if owned and (kind, meta["name"]) not in wanted:
+                    if self.kube.delete(api_version, kind, ctx.owner.namespace, meta["name"]):
+                        deleted.append(f"deleted {kind} {meta['name']}")
+        return deleted
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def observe(self, ctx: BuildContext, generation: int) -> Observed:
+        ns, owner, spec = ctx.owner.namespace, ctx.owner, ctx.spec
+        desired = ctx.replicas
+        counts = self._workload_counts(ctx)
+        pods = self.kube.list("v1", "Pod", ns, selector_string(owner))
+        unschedulable, failing = _pod_problems(pods)
+        port = spec.engine.port
+        return Observed(
+            generation=generation,
+            desired=desired,
+            unschedulable=unschedulable,
+            failing=failing,
+            extra={
+                "selector": selector_string(owner),
+                "endpoint": f"http://{owner.name}.{ns}.svc:{port}/v1",
+            },
+            **counts,
+        )
+
+    def _workload_counts(self, ctx: BuildContext) -> dict:
+        ns, owner, spec = ctx.owner.namespace, ctx.owner, ctx.spec
+        if not spec.multi_node:
+            dep = self.kube.get("apps/v1", "Deployment", ns, owner.name) or {}
+            st, meta = dep.get("status") or {}, dep.get("metadata") or {}
+            deadline = next(
+                (
+                    c.get("message")
+                    for c in st.get("conditions") or []
+                    if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+                ),
+                None,
+            )
+            return {
+                "replicas": st.get("replicas", 0),
+                "ready": st.get("readyReplicas", 0),
+                "updated": st.get("updatedReplicas", 0),
+                "workloads_current": bool(dep)
+                and st.get("observedGeneration", 0) >= meta.get("generation", 1),
+                "deadline_exceeded": deadline,
+            }
+        if ctx.features.leader_worker_set:
+            lws = self.kube.get("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", ns, owner.name) or {}
+            st = lws.get("status") or {}
+            return {
+                "replicas": st.get("replicas", 0),
+                "ready": st.get("readyReplicas", 0),
+                "updated": st.get("updatedReplicas", 0),
+                "workloads_current": bool(lws),
+            }
+        sets = self.kube.list("apps/v1", "StatefulSet", ns, selector_string(owner))
+        size = spec.pods_per_replica
+        ready = updated = 0
+        current = len(sets) == ctx.replicas
+        for sts in sets:
+            st = sts.get("status") or {}
+            ready += st.get("readyReplicas", 0) >= size
+            updated += st.get("updatedReplicas", 0) >= size and st.get("currentRevision") == st.get(
+                "updateRevision"
+            )
+            current = current and st.get("observedGeneration", 0) >= sts["metadata"].get("generation", 1)
+        return {"replicas": len(sets), "ready": ready, "updated": updated, "workloads_current": current}
+
+    # ---- the whole loop -----------------------------------------------------------------------------
+    def reconcile(self, body: dict, events: logging.Logger | logging.LoggerAdapter) -> dict:
+        """Apply the children of `body` and return the status fields to write (may equal the current)."""
+        ctx = self.context(body)
+        self.apply_children(ctx, events)
+        return self.status(ctx, body)
+
+    def status(self, ctx: BuildContext, body: dict) -> dict:
+        observed = self.observe(ctx, body["metadata"].get("generation", 1))
+        return status_patch(observed, body.get("status"), builders.engine_config(ctx)["tokenBudget"])
+
+
+def _pod_problems(pods: list[dict]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    unschedulable, failing = [], []
+    for pod in pods:
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        st = pod.get("status") or {}
+        for c in st.get("conditions") or []:
+            if (
+                c.get("type") == "PodScheduled"
+                and c.get("status") == "False"
+                and c.get("reason") == "Unschedulable"
+            ):
+                unschedulable.append(f"pod {pod['metadata']['name']}: {c.get('message', 'Unschedulable')}")
+        for cs in st.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in FAILING_REASONS:
+                failing.append(
+                    f"pod {pod['metadata']['name']}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(
+                        ": "
+                    )
+                )
+    return tuple(unschedulable), tuple(failing)

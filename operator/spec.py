@@ -1,0 +1,227 @@
+"""The SarathiDeployment spec as pydantic models: the operator's trust boundary.
+
+The API server already defaulted and validated the object against crds/sarathideployment.yaml; these models
+mirror that schema (same names, same defaults, tests/operator/test_spec.py checks the defaults agree) so the
+builders get typed values, and repeat the cross-field checks so a spec that reaches us some other way (local
+mode, an old CRD) fails with the same message instead of a half-built fleet.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GROUP = "serving.stallfree.dev"
+VERSION = "v1alpha1"
+KIND = "SarathiDeployment"
+PLURAL = "sarathideployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class _Model(BaseModel):
+    # Unknown fields are refused: the CRD prunes them, so one here means a schema drift worth knowing about.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelSource(_Model):
+    type: Literal["Bundled", "PersistentVolumeClaim", "HostPath"] = "Bundled"
+    claim_name: str | None = Field(None, alias="claimName")
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSource:
+        if self.type == "PersistentVolumeClaim" and not self.claim_name:
+            raise ValueError(
+                "model.source.claimName is required when model.source.type is PersistentVolumeClaim"
+            )
+        if self.type == "HostPath" and not (self.path or "").startswith("/"):
+            raise ValueError("model.source.path must be an absolute path when model.source.type is HostPath")
+        return self
+
+
+class ModelSpec(_Model):
+    name: str = DEFAULT_MODEL
+    source: ModelSource = ModelSource()
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, alias="maxModelLen")
+
+
+class Parallelism(_Model):
+    tensor: int = Field(1, ge=1)
+    pipeline: int = Field(1, ge=1)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor * self.pipeline
+
+
+class Replicas(_Model):
+    min: int = Field(1, ge=0)
+    max: int = Field(1, ge=1)
+    desired: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Replicas:
+        if self.min > self.max:
+            raise ValueError("replicas.min must be <= replicas.max")
+        if self.desired is not None and not self.min <= self.desired <= self.max:
+            raise ValueError("replicas.desired must lie in [replicas.min, replicas.max]")
+        return self
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, alias="tolerationSeconds")
+
+
+class Resources(_Model):
+    gpu_resource_name: str = Field("nvidia.com/gpu", alias="gpuResourceName")
+    gpus_per_pod: int | None = Field(None, alias="gpusPerPod", ge=0)
+    gpus_per_node: int = Field(8, alias="gpusPerNode", ge=1)
+    cpu: str | int = "2"
+    memory: str | int = "8Gi"
+    shm_size: str | int = Field("1Gi", alias="shmSize")
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: tuple[Toleration, ...] = ()
+
+
+class SecretKey(_Model):
+    name: str
+    key: str
+
+
+class AdminTokenSecret(SecretKey):
+    key: str = "token"
+
+
+class ApiKeySecret(SecretKey):
+    key: str = "api-key"
+
+
+class EngineSpec(_Model):
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", alias="imagePullPolicy"
+    )
+    policy: Literal["sarathi", "vllm", "orca", "static"] = "sarathi"
+    block_size: Literal[8, 16, 32, 64, 128] = Field(16, alias="blockSize")
+    max_num_seqs: int = Field(256, alias="maxNumSeqs", ge=1)
+    port: int = Field(8000, ge=1, le=65535)
+    drain_seconds: int = Field(120, alias="drainSeconds", ge=0)
+    admin_token_secret: AdminTokenSecret | None = Field(None, alias="adminTokenSecret")
+    api_key_secret: ApiKeySecret | None = Field(None, alias="apiKeySecret")
+
+
+class Slo(_Model):
+    ttft_p99_seconds: float = Field(2.0, alias="ttftP99Seconds", gt=0)
+    tbt_p99_seconds: float = Field(0.2, alias="tbtP99Seconds", gt=0)
+    scheduling_delay_p50_seconds: float = Field(2.0, alias="schedulingDelayP50Seconds", gt=0)
+
+
+class Budget(_Model):
+    initial: int = Field(512, ge=1)
+    min: int = Field(128, ge=1)
+    max: int = Field(4096, ge=1)
+    align: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Budget:
+        if self.min > self.max:
+            raise ValueError("budget.min must be <= budget.max")
+        if not self.min <= self.initial <= self.max:
+            raise ValueError("budget.initial must lie in [budget.min, budget.max]")
+        if any(v % self.align for v in (self.initial, self.min, self.max)):
+            raise ValueError("budget.initial, budget.min and budget.max must be multiples of budget.align")
+        return self
+
+
+class ControllerSpec(_Model):
+    enabled: bool = True
+    interval_seconds: int = Field(15, alias="intervalSeconds", ge=1)
+    window_seconds: int = Field(60, alias="windowSeconds", ge=5)
+    prometheus_url: str | None = Field(None, alias="prometheusUrl")
+
+
+class Admission(_Model):
+    max_waiting: int = Field(256, alias="maxWaiting", ge=0)
+    max_running: int | None = Field(None, alias="maxRunning", ge=1)
+
+
+class TrafficCluster(_Model):
+    """One traffic cluster. The builders copy the CR's item verbatim into the engine config, so the raw
+    mapping is what counts there; this model is for checks and for the budget controller."""
+
+    name: str
+    match: dict[str, str | int] | None = None
+    slo: dict[str, float] | None = None
+    chunk_cap: int | None = Field(None, alias="chunkCap", ge=1)
+    max_waiting: int | None = Field(None, alias="maxWaiting", ge=0)
+    max_running: int | None = Field(None, alias="maxRunning", ge=1)
+    priority: int = 0
+
+
+class SarathiSpec(_Model):
+    """A validated, defaulted SarathiDeployment spec."""
+
+    model: ModelSpec = ModelSpec()
+    parallelism: Parallelism = Parallelism()
+    replicas: Replicas = Replicas()
+    resources: Resources = Resources()
+    engine: EngineSpec = EngineSpec()
+    slo: Slo = Slo()
+    budget: Budget = Budget()
+    traffic_clusters: tuple[TrafficCluster, ...] = Field((), alias="trafficClusters")
+    controller: ControllerSpec = ControllerSpec()
+    admission: Admission = Admission()
+
+    @model_validator(mode="after")
+    def _check(self) -> SarathiSpec:
+        names = [c.name for c in self.traffic_clusters]
+        if len(names) != len(set(names)):
+            raise ValueError("trafficClusters names must be unique")
+        for c in self.traffic_clusters:
+            if c.chunk_cap is not None and c.chunk_cap > self.budget.max:
+                raise ValueError(f"trafficClusters[{c.name}].chunkCap must not exceed budget.max")
+        if self.resources.gpus_per_pod == 0 and self.parallelism.gpus_per_replica != 1:
+            raise ValueError(
+                "resources.gpusPerPod 0 (CPU only) needs parallelism.tensor = parallelism.pipeline = 1"
+            )
+        gpp, total = self.gpus_per_pod, self.parallelism.gpus_per_replica
+        if gpp and total % gpp:
+            raise ValueError("resources.gpusPerPod must divide parallelism.tensor x parallelism.pipeline")
+        return self
+
+    # ---- derived values the builders share ----------------------------------------------------------
+    @property
+    def gpus_per_pod(self) -> int:
+        """GPUs each engine pod requests (0 = CPU only)."""
+        if self.resources.gpus_per_pod is not None:
+            return self.resources.gpus_per_pod
+        return min(self.parallelism.gpus_per_replica, self.resources.gpus_per_node)
+
+    @property
+    def pods_per_replica(self) -> int:
+        """1 when a replica fits on one node, else the number of nodes (pods) one replica spans."""
+        gpp = self.gpus_per_pod
+        return 1 if gpp == 0 else max(1, self.parallelism.gpus_per_replica // gpp)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.pods_per_replica > 1
+
+    def replica_count(self, controller_choice: int | None = None) -> int:
+        """Replicas to run: the controller's choice (clamped to [min, max]) when it made one, else
+        spec.replicas.desired, else spec.replicas.min."""
+        if controller_choice is not None and self.controller.enabled:
+            return max(self.replicas.min, min(self.replicas.max, controller_choice))
+        return self.replicas.desired if self.replicas.desired is not None else self.replicas.min
+
+
+def parse_spec(spec: dict) -> SarathiSpec:
+    """Validate a CR's spec; raises ValueError (pydantic's ValidationError is one) naming the field."""
+    return SarathiSpec.model_validate(spec or {})

@@ -1,0 +1,121 @@
+"""Pure status computation: workload and pod state in, the SarathiDeployment status patch out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What the reconciler saw of the children."""
+
+    generation: int
+    desired: int  # replicas wanted
+    replicas: int  # replicas that exist
+    ready: int  # replicas whose every pod is ready
+    updated: int  # replicas already on the current pod template
+    workloads_current: bool  # every workload controller has seen its latest spec
+    unschedulable: tuple[str, ...] = ()  # scheduler messages of pods that cannot be placed
+    failing: tuple[str, ...] = ()  # container problems (CrashLoopBackOff, ImagePullBackOff, ...)
+    deadline_exceeded: str | None = None  # the Deployment's ProgressDeadlineExceeded message
+    extra: dict = field(default_factory=dict)  # e.g. endpoint, selector
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int) -> dict:
+    return {
+        "type": ctype,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def conditions_for(o: Observed) -> list[dict]:
+    """Ready, Progressing and Degraded for one observation (lastTransitionTime is added by merge)."""
+    g = o.generation
+    problems = [*o.unschedulable, *o.failing] + ([o.deadline_exceeded] if o.deadline_exceeded else [])
+    if o.unschedulable:
+        degraded = _condition(
+            DEGRADED, True, "Unschedulable", "engine pods cannot be scheduled: " + o.unschedulable[0], g
+        )
+    elif o.failing:
+        degraded = _condition(DEGRADED, True, "PodsFailing", o.failing[0], g)
+    elif o.deadline_exceeded:
+        degraded = _condition(DEGRADED, True, "ProgressDeadlineExceeded", o.deadline_exceeded, g)
+    else:
+        degraded = _condition(DEGRADED, False, "AsExpected", "no problems seen", g)
+
+    done = o.workloads_current and o.updated >= o.desired and o.ready >= o.desired and o.replicas <= o.desired
+    if done:
+        progressing = _condition(
+            PROGRESSING, False, "RolloutComplete", f"{o.ready}/{o.desired} replicas ready", g
+        )
+    else:
+        why = "WaitingForGPUs" if o.unschedulable else "RollingOut"
+        detail = f"{o.updated}/{o.desired} replicas updated, {o.ready}/{o.desired} ready"
+        progressing = _condition(PROGRESSING, True, why, detail + (f"; {problems[0]}" if problems else ""), g)
+
+    if o.desired == 0:
+        ready = _condition(READY, True, "ScaledToZero", "no replicas wanted", g)
+    elif o.ready >= o.desired and o.workloads_current:
+        ready = _condition(READY, True, "AllReplicasReady", f"{o.ready}/{o.desired} replicas ready", g)
+    else:
+        ready = _condition(READY, False, "ReplicasNotReady", f"{o.ready}/{o.desired} replicas ready", g)
+    return [ready, progressing, degraded]
+
+
+def merge_conditions(old: list[dict] | None, new: list[dict], now: str | None = None) -> list[dict]:
+    """New conditions replace old ones of the same type, keeping lastTransitionTime when the status did
+    not change; conditions of other types (SLOMet, written by the budget controller) are kept."""
+    now = now or _now()
+    by_type = {c.get("type"): c for c in old or []}
+    out = []
+    for c in new:
+        prev = by_type.pop(c["type"], None)
+        same = prev is not None and prev.get("status") == c["status"] and prev.get("lastTransitionTime")
+        out.append({**c, "lastTransitionTime": prev["lastTransitionTime"] if same else now})
+    out.extend(c for c in by_type.values() if c.get("type"))
+    return out
+
+
+def phase_of(conditions: list[dict]) -> str:
+    status = {c["type"]: c["status"] for c in conditions}
+    if status.get(DEGRADED) == "True":
+        return "Degraded"
+    if status.get(READY) == "True" and status.get(PROGRESSING) != "True":
+        return "Ready"
+    return "Progressing"
+
+
+def status_patch(o: Observed, old_status: dict | None, token_budget: int) -> dict:
+    """The status fields the operator owns. Budget-controller fields (trafficClusters, budget decisions,
+    desiredReplicas, SLOMet) are left as they are, except that status.budget.tokenBudget starts at the
+    budget in force."""
+    old_status = old_status or {}
+    conditions = merge_conditions(old_status.get("conditions"), conditions_for(o))
+    patch = {
+        "observedGeneration": o.generation,
+        "replicas": o.replicas,
+        "readyReplicas": o.ready,
+        "phase": phase_of(conditions),
+        "conditions": conditions,
+        **o.extra,
+    }
+    budget = dict(old_status.get("budget") or {})
+    if budget.get("tokenBudget") is None:
+        patch["budget"] = {**budget, "tokenBudget": token_budget}
+    return patch
+
+
+def differs(old_status: dict | None, patch: dict) -> bool:
+    """Whether applying `patch` would change the status (so a steady fleet causes no writes)."""
+    old_status = old_status or {}
+    return any(old_status.get(k) != v for k, v in patch.items())
