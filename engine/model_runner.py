@@ -60,10 +60,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        ids = np.fromiter((t for c in out.chunks for t in c.token_ids), dtype=np.int64, count=out.num_tokens)
-        pos = np.concatenate([np.arange(c.start, c.start + c.num_tokens, dtype=np.int64) for c in out.chunks])
-        input_ids = torch.from_numpy(ids).to(self.device)  # (T,)
-        positions = torch.from_numpy(pos).to(self.device)  # (T,) absolute positions
+        input_ids, positions = flatten_batch(out, self.device)
         meta = build_metadata(out, self.block_size, self.device)
         attend = self.attention.bind(meta)
         sample_rows, sample_reqs = [], []
@@ -86,18 +83,10 @@ class ModelRunner:
         t3 = time.perf_counter()
         return RunnerOutput(samples, t1 - t0, t2 - t1, t3 - t2)
 
-    @torch.inference_mode()
-    def logits_for(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Run one iteration and return the raw logits of each sampling request (tests, references)."""
-        ids = torch.tensor([t for c in out.chunks for t in c.token_ids], device=self.device)
-        pos = torch.tensor(
-            [p for c in out.chunks for p in range(c.start, c.start + c.num_tokens)], device=self.device
-        )
-        attend = self.attention.bind(build_metadata(out, self.block_size, self.device))
-        hidden = self.model(ids, pos, attend)
-        result, offset = {}, 0
-        for c in out.chunks:
-            offset += c.num_tokens
-            if c.sample:
-                result[c.request_id] = self.model.compute_logits(hidden[offset - 1 : offset])[0]
-        return result
+
+def flatten_batch(out: SchedulerOutput, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's token ids and their absolute positions, both (T,) int64, decodes first."""
+    ids = np.fromiter((t for c in out.chunks for t in c.token_ids), dtype=np.int64, count=out.num_tokens)
+    # NOTE: positions are absolute (chunk start + offset), never restarted per chunk: RoPE depends on them.
+    pos = np.concatenate([np.arange(c.start, c.start + c.num_tokens, dtype=np.int64) for c in out.chunks])
+    return torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device)
