@@ -69,6 +69,11 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     cr = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # In-cluster service account, else $KUBECONFIG: the same credentials stallfree.operator.kube uses.
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure_settings(settings)

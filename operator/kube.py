@@ -8,6 +8,7 @@ are left alone unless we set them too.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 from kubernetes import client as k8s_client
@@ -40,9 +41,13 @@ def load_api_client() -> k8s_client.ApiClient:
 class Kube:
     def __init__(self, api_client: k8s_client.ApiClient | None = None) -> None:
         self._dyn = DynamicClient(api_client or load_api_client())
+        # NOTE: the DynamicClient's discovery cache is not thread-safe, and kopf runs sync handlers in a
+        # thread pool: look kinds up under a lock (requests themselves run unlocked).
+        self._discovery_lock = threading.Lock()
 
     def _resource(self, api_version: str, kind: str):
-        return self._dyn.resources.get(api_version=api_version, kind=kind)
+        with self._discovery_lock:
+            return self._dyn.resources.get(api_version=api_version, kind=kind)
 
     def has_api(self, api_version: str, kind: str) -> bool:
         """Whether the cluster serves this kind (e.g. a CRD that may or may not be installed)."""

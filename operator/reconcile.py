@@ -11,6 +11,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from kubernetes.client.exceptions import ApiException
+
 from stallfree.operator import builders
 from stallfree.operator.builders.meta import (
     LABEL_DEPLOYMENT,
@@ -92,8 +94,12 @@ class Reconciler:
         if ctx.spec.engine.admin_token_secret is None:
             name = admin_secret_name(ctx.owner)
             if self.kube.get("v1", "Secret", ctx.owner.namespace, name) is None:
-                self.kube.create(builders.build_admin_secret(ctx.owner, secrets.token_urlsafe(32)))
-                changes.append(f"created Secret {name}")
+                try:
+                    self.kube.create(builders.build_admin_secret(ctx.owner, secrets.token_urlsafe(32)))
+                    changes.append(f"created Secret {name}")
+                except ApiException as e:
+                    if e.status != 409:  # 409: a concurrent reconcile (timer vs. handler) made it first
+                        raise
         wanted: set[tuple[str, str]] = set()
         for manifest in builders.build_children(ctx):
             applied = self.kube.apply(manifest)

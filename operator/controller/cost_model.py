@@ -1,0 +1,107 @@
+"""Iteration-time cost model T(n_prefill, n_decode, context) the controller plans with.
+
+The controller never trusts a model's absolute scale: it multiplies the prediction by a calibration factor
+(observed P99 TBT / predicted iteration time at the current budget), so the model only has to get the shape
+right — how much longer an iteration gets per extra prefill token. A profile fitted by `stallfree profile`
+(stallfree.bench) is used when given; otherwise a conservative built-in linear model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class CostModel(Protocol):
+    def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
+        """Seconds one iteration takes with this many prefill and decode tokens at this mean context."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCostModel:
+    """T = base + per_prefill*p + per_decode*d + per_decode_context*d*ctx + per_prefill_context*p*ctx."""
+
+    base: float = 0.02
+    per_prefill: float = 4e-4
+    per_decode: float = 1e-3
+    per_decode_context: float = 1e-7
+    per_prefill_context: float = 0.0
+
+    def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
+        p, d, c = max(n_prefill, 0.0), max(n_decode, 0.0), max(context, 0.0)
+        return (
+            self.base
+            + self.per_prefill * p
+            + self.per_decode * d
+            + self.per_decode_context * d * c
+            + self.per_prefill_context * p * c
+        )
+
+
+# Built in: measured shape of SmolLM2-135M on a 2-core CPU, padded up (conservative: longer iterations
+# per prefill token make the controller grow the budget in smaller steps).
+BUILTIN = LinearCostModel()
+
+
+def budget_for_time(
+    model: CostModel, seconds: float, n_decode: float, context: float, lo: int, hi: int
+) -> int:
+    """Largest budget in [lo, hi] (prefill + decode tokens) whose iteration fits in `seconds`; lo when none.
+    Bisection, so any monotone model works."""
+    d = max(n_decode, 0.0)
+
+    def fits(b: int) -> bool:
+        return model.iteration_time(max(b - d, 0.0), d, context) <= seconds
+
+    if not fits(lo):
+        return lo
+    if fits(hi):
+        return hi
+    a, b = lo, hi  # fits(a), not fits(b)
+    while b - a > 1:
+        m = (a + b) // 2
+        a, b = (m, b) if fits(m) else (a, m)
+    return a
+
+
+def prefill_capacity(model: CostModel, budget: int, n_decode: float, context: float) -> float:
+    """Prefill tokens per second one replica serves when every iteration is full at `budget`."""
+    d = max(n_decode, 0.0)
+    p = max(budget - d, 0.0)
+    t = model.iteration_time(p, d, context)
+    return p / t if t > 0 else 0.0
+
+
+def load_cost_model(path: str | Path | None) -> CostModel:
+    """The fitted model in a `stallfree profile` JSON file, or BUILTIN when path is None.
+
+    Accepts the bench helper's file (through stallfree.bench when installed) and a plain
+    {"coefficients": {"base": .., "per_prefill": .., ...}} document. Raises ValueError on a bad file.
+    """
+    if path is None:
+        return BUILTIN
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cost model {path}: cannot read it: {e}") from e
+    try:  # the bench package knows its own format best
+        from stallfree.bench.cost_model import CostModel as BenchCostModel  # type: ignore[import-not-found]
+
+        loaded = BenchCostModel.from_dict(doc) if hasattr(BenchCostModel, "from_dict") else None
+        if loaded is not None and hasattr(loaded, "iteration_time"):
+            return loaded
+    except ImportError:
+        pass
+    coeffs = doc.get("coefficients", doc.get("fit", doc))
+    known = {f for f in LinearCostModel.__dataclass_fields__}
+    picked = {k: float(v) for k, v in coeffs.items() if k in known and isinstance(v, (int, float))}
+    if not picked:
+        raise ValueError(f"cost model {path}: no coefficients among {sorted(known)}")
+    return LinearCostModel(**picked)

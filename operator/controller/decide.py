@@ -1,0 +1,291 @@
+"""The decision core: one metrics snapshot in, the next settings and a reason out. Pure, no I/O.
+
+Order of concerns, each interval (one fleet-wide action at most, so every change can be judged on its own):
+
+1. TBT violated in any cluster -> lower the budget to where the cost model, calibrated on what was observed,
+   puts P99 TBT at `target` x the strictest TBT SLO (at least one tile down). TBT comes first: a stalled
+   decode is the failure users see.
+2. TBT violated with the budget on its floor, or prefill tokens arriving faster than the budget can serve
+   (cost model), or TTFT/queue pressure with no TBT slack left -> scale out (up to replicas.max), else shed
+   the lowest-priority cluster with traffic (halve its maxWaiting).
+3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget, at most
+   `max_grow` per step and never past the calibrated TBT limit.
+4. Lasting slack (`scale_in_after` intervals) -> undo shedding first, then scale in when the load fits in
+   one replica fewer.
+
+Hysteresis: ratios observed/SLO between `slack` and `violate` hold, and a new budget aims at `target`
+(inside that band), so a steady signal never flips direction. Cooldowns count intervals since the last change.
+Chunk caps follow the budget: min(spec chunkCap, budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from stallfree.operator.controller.cost_model import (
+    BUILTIN,
+    CostModel,
+    budget_for_time,
+    prefill_capacity,
+)
+from stallfree.operator.controller.types import (
+    CAP,
+    HOLD,
+    LOWER,
+    RAISE,
+    RESTORE,
+    SCALE_IN,
+    SCALE_OUT,
+    SHED,
+    ClusterSnapshot,
+    ClusterSpec,
+    ControllerConfig,
+    Decision,
+    Settings,
+    Snapshot,
+    State,
+)
+
+DEFAULT_MAX_WAITING = 256  # what shedding starts from when neither settings nor spec bound a queue
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """Derived signals for one interval."""
+
+    tbt_worst: tuple[float, str] | None  # (observed/SLO, cluster) of the worst TBT
+    pressure: tuple[float, str, str] | None  # (ratio, cluster, what) of the worst TTFT / delay / queue
+    all_slack: bool  # every ratio under `slack` and no queue growing
+    tbt_slack: bool  # every TBT ratio under `slack`
+    budget_limit: int  # largest budget the calibrated cost model allows for the TBT target
+    overloaded: bool  # prefill arrivals beyond `overload` x modelled capacity
+    demand: float  # prefill tokens per second, fleet-wide
+    capacity: float  # modelled prefill tokens per second per replica at the current budget
+    n_decode: float  # running decodes per replica
+    context: float
+
+
+def _ratio(observed: float | None, slo: float) -> float | None:
+    return None if observed is None else observed / slo
+
+
+def _read(
+    snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], cfg: ControllerConfig, model: CostModel
+) -> _Reading:
+    replicas = max(settings.replicas, 1)
+    obs = [(s, snap.cluster(s.name)) for s in specs]
+    running = sum(c.running for _, c in obs)
+    n_decode = running / replicas
+    context = sum(c.mean_context * c.running for _, c in obs) / running if running else 0.0
+    b = settings.token_budget
+    predicted = model.iteration_time(max(b - n_decode, 0.0), n_decode, context)
+
+    tbt = [(r, s.name) for s, c in obs if (r := _ratio(c.tbt_p99, s.slo.tbt_p99)) is not None]
+    tbt_worst = max(tbt) if tbt else None
+    # Calibrated time limit, in model seconds: scale the prediction at the current budget by how far each
+    # cluster's observed P99 TBT is from target x its SLO; the strictest cluster bounds the budget.
+    limit = cfg.budget_max
+    if tbt and predicted > 0:
+        allowed = predicted * min(cfg.target / r if r > 0 else float("inf") for r, _ in tbt)
+        limit = budget_for_time(model, allowed, n_decode, context, cfg.budget_min, cfg.budget_max)
+
+    pressures: list[tuple[float, str, str]] = []
+    for s, c in obs:
+        for r, what in (
+            (_ratio(c.ttft_p99, s.slo.ttft_p99), "P99 TTFT"),
+            (_ratio(c.scheduling_delay_p50, s.slo.scheduling_delay_p50), "P50 scheduling delay"),
+        ):
+            if r is not None:
+                pressures.append((r, s.name, what))
+        if c.waiting >= 1 and c.waiting_trend > 0:
+            pressures.append((cfg.violate + c.waiting_trend, s.name, "queue growing"))
+        if c.rejection_rate > 0:
+            pressures.append((cfg.violate + c.rejection_rate, s.name, "requests rejected"))
+    worst_pressure = max(pressures) if pressures else None
+    tbt_slack = all(r < cfg.slack for r, _ in tbt)
+    all_slack = tbt_slack and all(r < cfg.slack for r, _, _ in pressures)
+
+    demand = sum(c.prefill_token_rate for _, c in obs)
+    capacity = prefill_capacity(model, b, n_decode, context)
+    overloaded = demand > cfg.overload * capacity * replicas
+    return _Reading(
+        tbt_worst=tbt_worst,
+        pressure=worst_pressure if worst_pressure and worst_pressure[0] > cfg.violate else None,
+        all_slack=all_slack,
+        tbt_slack=tbt_slack,
+        budget_limit=limit,
+        overloaded=overloaded,
+        demand=demand,
+        capacity=capacity,
+        n_decode=n_decode,
+        context=context,
+    )
+
+
+def _caps(settings: Settings, specs: Sequence[ClusterSpec], budget: int) -> Settings:
+    """Chunk caps follow the budget: the spec's cap (the user's ceiling) but never above the budget."""
+    out = settings
+    for s in specs:
+        cap = min(s.knobs.chunk_cap or budget, budget)
+        if out.knobs(s.name).chunk_cap != cap:
+            out = out.with_knobs(s.name, chunk_cap=cap)
+    return out
+
+
+def _shed_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], cfg: ControllerConfig):
+    """The lowest-priority cluster with traffic whose queue bound can still come down (most prefill
+    tokens first among equals), and its new maxWaiting; None when nothing can be shed."""
+    candidates = []
+    for s in specs:
+        c: ClusterSnapshot = snap.cluster(s.name)
+        if c.arrival_rate <= 0 and c.waiting <= 0:
+            continue
+        current = settings.knobs(s.name).max_waiting
+        if current is None:
+            current = s.knobs.max_waiting if s.knobs.max_waiting is not None else DEFAULT_MAX_WAITING
+        if current > cfg.min_max_waiting:
+            candidates.append((s.priority, -c.prefill_token_rate, s.name, current))
+    if not candidates:
+        return None
+    _, _, name, current = min(candidates)
+    return name, max(cfg.min_max_waiting, current // 2)
+
+
+def _restore_target(settings: Settings, specs: Sequence[ClusterSpec]):
+    """The highest-priority shed cluster and its maxWaiting one step (x2) back toward the spec."""
+    shed = []
+    for s in specs:
+        now = settings.knobs(s.name).max_waiting
+        want = s.knobs.max_waiting if s.knobs.max_waiting is not None else DEFAULT_MAX_WAITING
+        if now is not None and now < want:
+            shed.append((-s.priority, s.name, min(want, max(now * 2, 1))))
+    if not shed:
+        return None
+    _, name, value = min(shed)
+    return name, value
+
+
+def initial_settings(
+    specs: Sequence[ClusterSpec], cfg: ControllerConfig, token_budget: int, replicas: int
+) -> Settings:
+    """Settings before any decision: the spec's knobs, chunk caps within the budget, budget and replicas
+    inside their bounds."""
+    b = cfg.clamp_budget(token_budget)
+    n = max(cfg.replicas_min, min(cfg.replicas_max, replicas))
+    base = Settings(token_budget=b, replicas=n, clusters={s.name: s.knobs for s in specs})
+    return _caps(base, specs, b)
+
+
+def decide(
+    snap: Snapshot,
+    settings: Settings,
+    state: State,
+    specs: Sequence[ClusterSpec],
+    cfg: ControllerConfig,
+    model: CostModel = BUILTIN,
+) -> Decision:
+    """The next settings for the fleet. `settings` are those in force; `state` comes from the last call."""
+    r = _read(snap, settings, specs, cfg, model)
+    st = replace(
+        state,
+        intervals_since_change=state.intervals_since_change + 1,
+        intervals_since_scale=state.intervals_since_scale + 1,
+        slack_streak=state.slack_streak + 1 if r.all_slack else 0,
+    )
+    b = settings.token_budget
+    capped = _caps(settings, specs, b)
+
+    def out(new: Settings, action: str, reason: str, who: str = "", direction: int = 0) -> Decision:
+        new = _caps(new, specs, new.token_budget)
+        s2 = st
+        if action != HOLD:
+            s2 = replace(s2, intervals_since_change=0, slack_streak=0)
+            if direction:
+                s2 = replace(s2, last_direction=direction)
+            if action in (SCALE_OUT, SCALE_IN, SHED, RESTORE):
+                s2 = replace(s2, intervals_since_scale=0)
+        names = [who] if who else [s.name for s in specs]
+        return Decision(
+            settings=new,
+            state=s2,
+            action=action,
+            reason=reason,
+            cluster_actions={n: action for n in names},
+            cluster_reasons={n: reason for n in names},
+        )
+
+    def escalate(why: str) -> Decision:
+        if st.intervals_since_scale < cfg.scale_cooldown:
+            return out(capped, HOLD, f"{why}; waiting for the last scale/shed to take effect")
+        if settings.replicas < cfg.replicas_max:
+            n = settings.replicas + 1
+            return out(replace(capped, replicas=n), SCALE_OUT, f"{why}: replicas {settings.replicas} -> {n}")
+        target = _shed_target(snap, settings, specs, cfg)
+        if target is None:
+            return out(capped, HOLD, f"{why}; at replicas.max and nothing left to shed")
+        name, mw = target
+        return out(
+            capped.with_knobs(name, max_waiting=mw),
+            SHED,
+            f"{why}; at replicas.max ({cfg.replicas_max}): shed lowest-priority cluster {name}, maxWaiting -> {mw}",
+            who=name,
+        )
+
+    # 1. TBT violated: shrink first.
+    if r.tbt_worst and r.tbt_worst[0] > cfg.violate:
+        ratio, who = r.tbt_worst
+        why = f"P99 TBT of {who} at {ratio:.2f}x its SLO"
+        if b > cfg.budget_min:
+            if st.intervals_since_change < cfg.shrink_cooldown:
+                return out(capped, HOLD, f"{why}; cooling down after the last change")
+            nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
+            return out(replace(capped, token_budget=nb), LOWER, f"{why}: budget {b} -> {nb}", direction=-1)
+        return escalate(f"{why} with the budget at its floor {cfg.budget_min}")
+
+    # 2./3. Prefill overload or TTFT / queue pressure.
+    if r.pressure or r.overloaded:
+        if r.pressure:
+            ratio, who, what = r.pressure
+            why = f"{what} of {who} at {ratio:.2f}x its SLO" if what.startswith("P") else f"{what} in {who}"
+        else:
+            why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
+        if r.tbt_slack and b < cfg.budget_max:
+            nb = cfg.clamp_budget(min(r.budget_limit, b * (1 + cfg.max_grow)))
+            if nb > b:
+                if st.intervals_since_change < cfg.grow_cooldown:
+                    return out(capped, HOLD, f"{why}; cooling down after the last change")
+                return out(
+                    replace(capped, token_budget=nb),
+                    RAISE,
+                    f"{why}, TBT has slack: budget {b} -> {nb}",
+                    direction=1,
+                )
+        if r.overloaded or (r.pressure and not r.tbt_slack) or b >= cfg.budget_max:
+            return escalate(f"{why}, no TBT slack to raise the budget" if not r.overloaded else why)
+        return out(capped, HOLD, f"{why}; the calibrated cost model allows no larger budget")
+
+    # 4. Lasting slack: give back what was taken.
+    if st.slack_streak >= cfg.scale_in_after and st.intervals_since_scale >= cfg.scale_cooldown:
+        restore = _restore_target(settings, specs)
+        if restore is not None:
+            name, mw = restore
+            return out(
+                capped.with_knobs(name, max_waiting=mw),
+                RESTORE,
+                f"lasting slack: {name} maxWaiting -> {mw}",
+                who=name,
+            )
+        fewer = settings.replicas - 1
+        if fewer >= max(cfg.replicas_min, 1) and r.demand < 0.5 * r.capacity * fewer:
+            return out(
+                replace(capped, replicas=fewer),
+                SCALE_IN,
+                f"lasting slack: replicas {settings.replicas} -> {fewer}",
+            )
+
+    if capped != settings:
+        return out(capped, CAP, f"chunk caps kept within the budget {b}")
+    if r.tbt_worst is None and r.pressure is None and not r.demand:
+        return out(settings, HOLD, "no traffic")
+    return out(settings, HOLD, "SLOs met")

@@ -1,0 +1,193 @@
+"""Plain values the budget controller works on: what it reads, what it may set, and what it decided.
+
+No I/O and no third-party imports: the decision core, the Prometheus source, local mode and the kopf timer
+all pass these around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """One traffic cluster's service-level objectives, seconds."""
+
+    ttft_p99: float = 2.0
+    tbt_p99: float = 0.2
+    scheduling_delay_p50: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p99", "tbt_p99", "scheduling_delay_p50"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"slo.{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """The per-cluster settings the controller tunes (None = not limited)."""
+
+    chunk_cap: int | None = None
+    max_waiting: int | None = None
+    max_running: int | None = None
+
+    def as_engine(self) -> dict[str, int]:
+        """The engine admin API / engine.yaml spelling, unset values left out."""
+        out = {"chunkCap": self.chunk_cap, "maxWaiting": self.max_waiting, "maxRunning": self.max_running}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """User intent for one traffic cluster (from the SarathiDeployment spec): never written by us."""
+
+    name: str
+    slo: Slo = field(default_factory=Slo)
+    priority: int = 0
+    knobs: Knobs = field(default_factory=Knobs)  # the spec's chunkCap / maxWaiting / maxRunning
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Bounds and dynamics of the loop, built once from the spec (budget, replicas, controller)."""
+
+    budget_min: int = 128
+    budget_max: int = 4096
+    align: int = 32
+    replicas_min: int = 1
+    replicas_max: int = 1
+    interval_s: float = 15.0
+    # Hysteresis band on the SLO ratio observed / objective: above `violate` is a violation, below `slack`
+    # is slack worth using; in between the controller holds.
+    violate: float = 1.0
+    slack: float = 0.8
+    # Where a new budget aims: the cost model's predicted TBT at `target` x the strictest TBT SLO.
+    target: float = 0.85
+    # Largest relative step up per decision (down steps follow the cost model, at least one tile).
+    max_grow: float = 0.5
+    # Intervals to wait after a change before growing again / shrinking again.
+    grow_cooldown: int = 2
+    shrink_cooldown: int = 1
+    # Consecutive intervals of slack before scaling in or restoring shed load.
+    scale_in_after: int = 6
+    scale_cooldown: int = 4
+    # Fraction of modelled prefill capacity above which arrivals count as more than the budget serves.
+    overload: float = 0.95
+    # Shedding never lowers a cluster's maxWaiting below this.
+    min_max_waiting: int = 1
+
+    def __post_init__(self) -> None:
+        if self.align < 1:
+            raise ValueError(f"budget.align must be >= 1, got {self.align}")
+        if not 1 <= self.budget_min <= self.budget_max:
+            raise ValueError(
+                f"budget.min must lie in [1, budget.max], got {self.budget_min}..{self.budget_max}"
+            )
+        if self.budget_min % self.align or self.budget_max % self.align:
+            raise ValueError("budget.min and budget.max must be multiples of budget.align")
+        if not 0 <= self.replicas_min <= self.replicas_max:
+            raise ValueError(
+                f"replicas.min must be <= replicas.max, got {self.replicas_min}..{self.replicas_max}"
+            )
+        if not 0 < self.slack < self.violate:
+            raise ValueError("hysteresis needs 0 < slack < violate")
+
+    def clamp_budget(self, value: float, *, up: bool = False) -> int:
+        """Round to the tile (down, or up with up=True) and keep inside [min, max]."""
+        a = self.align
+        tiles = -(-int(value) // a) if up else int(value) // a
+        return max(self.budget_min, min(self.budget_max, tiles * a))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the controller sets on the fleet: one budget, per-cluster knobs, a replica count."""
+
+    token_budget: int
+    replicas: int
+    clusters: dict[str, Knobs] = field(default_factory=dict)
+
+    def knobs(self, name: str) -> Knobs:
+        return self.clusters.get(name, Knobs())
+
+    def with_knobs(self, name: str, **changes: int | None) -> Settings:
+        clusters = dict(self.clusters)
+        clusters[name] = replace(self.knobs(name), **changes)
+        return replace(self, clusters=clusters)
+
+    def engine_patch(self) -> dict:
+        """The PATCH /admin/v1/config document for these settings."""
+        return {
+            "tokenBudget": self.token_budget,
+            "trafficClusters": {n: k.as_engine() for n, k in sorted(self.clusters.items())},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """What was observed for one traffic cluster over the window; None = no sample (no traffic)."""
+
+    name: str
+    tbt_p99: float | None = None
+    ttft_p99: float | None = None
+    scheduling_delay_p50: float | None = None
+    waiting: float = 0.0
+    waiting_trend: float = 0.0  # requests per second the queue grows (+) or drains (-)
+    running: float = 0.0
+    arrival_rate: float = 0.0  # requests per second
+    prefill_token_rate: float = 0.0  # prompt tokens arriving per second
+    rejection_rate: float = 0.0  # 429s per second
+    mean_context: float = 0.0  # mean prompt + output tokens of running requests (cost model input)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One read of the fleet's metrics."""
+
+    time: float
+    clusters: dict[str, ClusterSnapshot]
+    replicas_seen: int = 1  # engine replicas that reported
+    kv_cache_usage: float | None = None
+
+    def cluster(self, name: str) -> ClusterSnapshot:
+        return self.clusters.get(name, ClusterSnapshot(name=name))
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """The controller's memory between decisions (kept in status so a restart does not jump)."""
+
+    intervals_since_change: int = 1_000
+    intervals_since_scale: int = 1_000
+    slack_streak: int = 0
+    last_direction: int = 0  # +1 grew, -1 shrank, 0 none yet
+
+
+# Actions, in the words used in status, Events and the decisions metric.
+HOLD, RAISE, LOWER, SCALE_OUT, SCALE_IN, SHED, RESTORE, CAP = (
+    "hold",
+    "raise",
+    "lower",
+    "scale-out",
+    "scale-in",
+    "shed",
+    "restore",
+    "cap",
+)
+ACTIONS = (HOLD, RAISE, LOWER, SCALE_OUT, SCALE_IN, SHED, RESTORE, CAP)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to set next and why. `actions` maps cluster name (or "" for the fleet) to an action word."""
+
+    settings: Settings
+    state: State
+    action: str
+    reason: str
+    cluster_actions: dict[str, str] = field(default_factory=dict)
+    cluster_reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> bool:
+        return self.action != HOLD
