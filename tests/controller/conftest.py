@@ -1,0 +1,10 @@
+"""Controller test set-up: helpers in this folder are importable as plain modules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)

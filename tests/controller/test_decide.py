@@ -1,0 +1,252 @@
+"""The decision core: table tests for each violation type, property tests for its invariants."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from controller_factories import make_config, make_snapshot, make_specs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stallfree.operator.controller import ClusterSnapshot, Snapshot, State, decide
+from stallfree.operator.controller.cost_model import BUILTIN, LinearCostModel, budget_for_time
+from stallfree.operator.controller.decide import initial_settings
+from stallfree.operator.controller.types import (
+    HOLD,
+    LOWER,
+    RAISE,
+    RESTORE,
+    SCALE_IN,
+    SCALE_OUT,
+    SHED,
+)
+
+SPECS = make_specs()
+CFG = make_config()
+
+
+def start(budget: int = 512, replicas: int = 1, cfg=CFG):
+    return initial_settings(SPECS, cfg, budget, replicas)
+
+
+# ---- table tests --------------------------------------------------------------------------------------
+CASES = [
+    # (id, snapshot clusters, expected action, budget moves: -1 down, 0 same, +1 up)
+    (
+        "tbt-violated",
+        dict(chat=dict(tbt_p99=0.2, running=8), summarization=dict(prefill_token_rate=400, arrival_rate=1)),
+        LOWER,
+        -1,
+    ),
+    ("tbt-violated-summ-only", dict(summarization=dict(tbt_p99=0.5, running=2)), LOWER, -1),
+    ("ttft-with-slack", dict(chat=dict(tbt_p99=0.03, ttft_p99=2.5, running=4, arrival_rate=2)), RAISE, +1),
+    ("delay-with-slack", dict(chat=dict(tbt_p99=0.03, scheduling_delay_p50=1.0, running=4)), RAISE, +1),
+    ("queue-growing", dict(chat=dict(tbt_p99=0.03, waiting=10, waiting_trend=0.5, running=4)), RAISE, +1),
+    ("in-band-holds", dict(chat=dict(tbt_p99=0.09, ttft_p99=0.9, running=4)), HOLD, 0),
+    ("slack-no-pressure-holds", dict(chat=dict(tbt_p99=0.02, ttft_p99=0.1, running=4)), HOLD, 0),
+    ("idle-holds", dict(), HOLD, 0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decision_table(case):
+    _, clusters, action, direction = case
+    s = start()
+    d = decide(make_snapshot(**clusters), s, State(), SPECS, CFG)
+    assert d.action == action, d.reason
+    assert (d.settings.token_budget > 512) - (d.settings.token_budget < 512) == direction
+    assert d.reason
+
+
+def test_tbt_shrink_comes_before_ttft_growth():
+    snap = make_snapshot(chat=dict(tbt_p99=0.15, ttft_p99=3.0, running=8, waiting=20, waiting_trend=1))
+    d = decide(snap, start(), State(), SPECS, CFG)
+    assert d.action == LOWER and "TBT" in d.reason
+
+
+def test_shrink_lands_on_calibrated_target():
+    """Observed TBT 2x the SLO: the new budget's calibrated prediction is at most target x SLO."""
+    model = LinearCostModel(base=0.01, per_prefill=2e-4, per_decode=0.0, per_decode_context=0.0)
+    snap = make_snapshot(chat=dict(tbt_p99=0.2, running=0))
+    d = decide(snap, start(1024), State(), SPECS, CFG, model)
+    k = 0.2 / model.iteration_time(1024, 0, 0)
+    assert k * model.iteration_time(d.settings.token_budget, 0, 0) <= CFG.target * 0.1 + 1e-9
+    assert d.settings.token_budget % CFG.align == 0
+
+
+def test_floor_with_tbt_failing_scales_out_then_sheds():
+    cfg = make_config(replicas_max=2)
+    snap = make_snapshot(
+        chat=dict(tbt_p99=0.3, running=8, arrival_rate=2),
+        summarization=dict(tbt_p99=0.3, arrival_rate=1, prefill_token_rate=500),
+    )
+    s = start(128, 1, cfg)
+    d = decide(snap, s, State(), SPECS, cfg)
+    assert d.action == SCALE_OUT and d.settings.replicas == 2
+    # At replicas.max: shed the lowest-priority cluster with traffic (summarization), halving its queue.
+    d2 = decide(snap, d.settings, replace(d.state, intervals_since_scale=99), SPECS, cfg)
+    assert d2.action == SHED
+    assert d2.settings.knobs("summarization").max_waiting == 16
+    assert d2.settings.knobs("chat").max_waiting == 64
+
+
+def test_scale_cooldown_holds_after_scale_out():
+    cfg = make_config(replicas_max=3)
+    snap = make_snapshot(chat=dict(tbt_p99=0.3, running=8, arrival_rate=2))
+    d = decide(snap, start(128, 1, cfg), State(), SPECS, cfg)
+    d2 = decide(snap, d.settings, d.state, SPECS, cfg)
+    assert d.action == SCALE_OUT and d2.action == HOLD and d2.settings.replicas == 2
+
+
+def test_prefill_overload_scales_out():
+    cfg = make_config(replicas_max=4)
+    # TBT in band (no slack to grow) and prompts arriving far beyond what 512 tokens/iteration serve.
+    snap = make_snapshot(
+        summarization=dict(tbt_p99=0.22, running=4, arrival_rate=5, prefill_token_rate=50_000)
+    )
+    d = decide(snap, start(512, 1, cfg), State(), SPECS, cfg)
+    assert d.action == SCALE_OUT, d.reason
+
+
+def test_lasting_slack_restores_then_scales_in():
+    cfg = make_config(replicas_max=3, scale_in_after=3)
+    s = start(512, 3, cfg).with_knobs("summarization", max_waiting=4)
+    quiet = make_snapshot(
+        chat=dict(tbt_p99=0.01, ttft_p99=0.05, running=1, arrival_rate=0.1, prefill_token_rate=10)
+    )
+    actions = []
+    state = State()
+    for _ in range(40):
+        d = decide(quiet, s, state, SPECS, cfg)
+        s, state = d.settings, d.state
+        actions.append(d.action)
+    assert actions[:2] == [HOLD, HOLD] and actions[2] == RESTORE
+    assert s.knobs("summarization").max_waiting == 32  # back to the spec
+    assert SCALE_IN in actions and s.replicas < 3
+
+
+def test_chunk_caps_follow_budget():
+    d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
+    for name in ("chat", "summarization"):
+        assert d.settings.knobs(name).chunk_cap <= d.settings.token_budget
+    grown = decide(
+        make_snapshot(chat=dict(tbt_p99=0.01, ttft_p99=5, running=1)), start(1024), State(), SPECS, CFG
+    )
+    assert grown.settings.knobs("summarization").chunk_cap == 256  # the spec's ceiling stays
+
+
+def test_grow_cooldown():
+    snap = make_snapshot(chat=dict(tbt_p99=0.01, ttft_p99=5, running=1))
+    d1 = decide(snap, start(), State(), SPECS, CFG)
+    d2 = decide(snap, d1.settings, d1.state, SPECS, CFG)
+    d3 = decide(snap, d2.settings, d2.state, SPECS, CFG)
+    assert [d1.action, d2.action, d3.action] == [RAISE, HOLD, RAISE]
+
+
+def test_budget_for_time_is_monotone_and_bounded():
+    prev = 0
+    for t in (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 10.0):
+        b = budget_for_time(BUILTIN, t, 8, 500, 32, 4096)
+        assert 32 <= b <= 4096 and b >= prev
+        prev = b
+
+
+# ---- property tests ----------------------------------------------------------------------------------
+ratio = st.one_of(st.none(), st.floats(0.0, 5.0, allow_nan=False))
+
+
+@st.composite
+def cluster_snaps(draw, name):
+    return ClusterSnapshot(
+        name=name,
+        tbt_p99=(r * 0.1 if (r := draw(ratio)) is not None else None),
+        ttft_p99=(r * 1.0 if (r := draw(ratio)) is not None else None),
+        scheduling_delay_p50=(r * 0.5 if (r := draw(ratio)) is not None else None),
+        waiting=draw(st.floats(0, 100)),
+        waiting_trend=draw(st.floats(-5, 5)),
+        running=draw(st.floats(0, 64)),
+        arrival_rate=draw(st.floats(0, 50)),
+        prefill_token_rate=draw(st.floats(0, 50_000)),
+        mean_context=draw(st.floats(0, 4096)),
+    )
+
+
+snapshots = st.builds(
+    lambda c, s: Snapshot(time=0.0, clusters={"chat": c, "summarization": s}),
+    cluster_snaps("chat"),
+    cluster_snaps("summarization"),
+)
+configs = st.builds(
+    lambda lo, span, align, rmax: make_config(
+        budget_min=lo * align, budget_max=(lo + span) * align, align=align, replicas_max=rmax
+    ),
+    st.integers(1, 8),
+    st.integers(0, 64),
+    st.sampled_from([1, 16, 32, 64]),
+    st.integers(1, 4),
+)
+
+
+@given(snap=snapshots, cfg=configs, frac=st.floats(0, 1), replicas=st.integers(1, 4))
+@settings(max_examples=300, deadline=None)
+def test_bounded_and_aligned(snap, cfg, frac, replicas):
+    b0 = cfg.clamp_budget(cfg.budget_min + frac * (cfg.budget_max - cfg.budget_min))
+    s = initial_settings(SPECS, cfg, b0, replicas)
+    state = State()
+    for _ in range(5):
+        d = decide(snap, s, state, SPECS, cfg)
+        b = d.settings.token_budget
+        assert cfg.budget_min <= b <= cfg.budget_max and b % cfg.align == 0
+        assert cfg.replicas_min <= d.settings.replicas <= cfg.replicas_max
+        assert abs(d.settings.replicas - s.replicas) <= 1
+        for k in d.settings.clusters.values():
+            assert k.chunk_cap is None or 1 <= k.chunk_cap <= b
+            assert k.max_waiting is None or k.max_waiting >= cfg.min_max_waiting
+        s, state = d.settings, d.state
+
+
+@given(snap=snapshots, cfg=configs, frac=st.floats(0, 1))
+@settings(max_examples=300, deadline=None)
+def test_no_oscillation_on_a_steady_signal(snap, cfg, frac):
+    """The same snapshot over and over: the budget moves one way only, replicas too."""
+    s = initial_settings(
+        SPECS, cfg, cfg.clamp_budget(cfg.budget_min + frac * (cfg.budget_max - cfg.budget_min)), 1
+    )
+    state = State()
+    budgets, replicas = [s.token_budget], [s.replicas]
+    for _ in range(30):
+        d = decide(snap, s, state, SPECS, cfg)
+        s, state = d.settings, d.state
+        budgets.append(s.token_budget)
+        replicas.append(s.replicas)
+    for series in (budgets, replicas):
+        steps = [b - a for a, b in zip(series, series[1:], strict=False) if b != a]
+        assert all(x > 0 for x in steps) or all(x < 0 for x in steps), series
+
+
+@given(
+    r=st.floats(1.05, 5.0),
+    frac=st.floats(0.1, 1),
+    running=st.floats(0, 32),
+    ctx=st.floats(0, 2048),
+)
+@settings(max_examples=200, deadline=None)
+def test_tbt_violation_never_raises(r, frac, running, ctx):
+    cfg = CFG
+    b0 = cfg.clamp_budget(cfg.budget_min + frac * (cfg.budget_max - cfg.budget_min))
+    snap = make_snapshot(chat=dict(tbt_p99=0.1 * r, ttft_p99=3.0, running=running, mean_context=ctx))
+    d = decide(snap, start(b0), State(), SPECS, cfg)
+    assert d.settings.token_budget <= b0
+    assert d.settings.token_budget < b0 or b0 == cfg.budget_min
+
+
+@given(r=st.floats(1.05, 5.0), tbt=st.floats(0.0, 0.79), frac=st.floats(0, 0.95))
+@settings(max_examples=200, deadline=None)
+def test_ttft_pressure_with_tbt_slack_never_lowers(r, tbt, frac):
+    cfg = CFG
+    b0 = cfg.clamp_budget(cfg.budget_min + frac * (cfg.budget_max - cfg.budget_min))
+    snap = make_snapshot(chat=dict(tbt_p99=0.1 * tbt, ttft_p99=1.0 * r, running=2))
+    d = decide(snap, start(b0), State(), SPECS, cfg)
+    assert d.settings.token_budget >= b0
+    assert d.action in (RAISE, HOLD, SCALE_OUT, SHED)
