@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# Helper modules next to these tests (crd_schema.py) import by name, like tests/conftest.py arranges for tests/.
+sys.path.insert(0, str(Path(__file__).parent))
+
 from conftest_k8s import K8sEnv, OperatorProcess, crd, k8s, namespace  # noqa: F401  (fixtures)
 
 

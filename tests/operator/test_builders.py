@@ -1,0 +1,221 @@
+"""Builders: golden manifests for representative specs, plus the contract with the engine.
+
+Regenerate the golden files after an intended change with: STALLFREE_UPDATE_GOLDEN=1 pytest tests/operator
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest_k8s import load_example
+from crd_schema import defaulted_spec
+
+from stallfree.operator.builders import (
+    BuildContext,
+    Features,
+    Owner,
+    Tuned,
+    build_children,
+    engine_args,
+    engine_config,
+)
+from stallfree.operator.builders.meta import ANNOTATION_CONFIG_HASH
+from stallfree.operator.spec import parse_spec
+
+GOLDEN = Path(__file__).parent / "golden"
+OWNER = Owner(name="demo", namespace="serving", uid="00000000-0000-0000-0000-000000000001")
+
+
+def make_ctx(
+    spec: dict,
+    *,
+    status: dict | None = None,
+    features: Features | None = None,
+    image: str = "stallfree/engine:test",
+) -> BuildContext:
+    raw = defaulted_spec(spec)
+    parsed = parse_spec(raw)
+    return BuildContext(
+        owner=OWNER,
+        spec=parsed,
+        raw_spec=raw,
+        engine_image=parsed.engine.image or image,
+        tuned=Tuned.from_status(status),
+        features=features or Features(),
+    )
+
+
+def pod_template_hash(children: list[dict]) -> str:
+    workload = next(c for c in children if c["kind"] == "Deployment")
+    return workload["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
+
+
+MULTI_NODE = {
+    "model": {"name": "Llama-3.1-405B"},
+    "parallelism": {"tensor": 8, "pipeline": 2},
+    "replicas": {"min": 2, "max": 2},
+}
+CASES = {
+    "single-gpu": lambda: make_ctx(load_example("sarathideployment.yaml")["spec"]),
+    "multi-cluster": lambda: make_ctx(
+        load_example("multi-cluster.yaml")["spec"], features=Features(service_monitor=True)
+    ),
+    "multi-node-statefulsets": lambda: make_ctx(MULTI_NODE),
+    "multi-node-leaderworkerset": lambda: make_ctx(MULTI_NODE, features=Features(leader_worker_set=True)),
+    "cpu-only-hostpath": lambda: make_ctx(
+        {
+            "model": {"source": {"type": "HostPath", "path": "/srv/models/smollm2"}},
+            "resources": {"gpusPerPod": 0},
+        }
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_manifests(case: str):
+    ctx = CASES[case]()
+    rendered = yaml.safe_dump_all(build_children(ctx), sort_keys=True)
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("STALLFREE_UPDATE_GOLDEN") == "1" or not path.exists():
+        path.write_text(rendered)
+    assert rendered == path.read_text(), (
+        f"{path} differs; if intended, regenerate with STALLFREE_UPDATE_GOLDEN=1"
+    )
+
+
+def test_engine_args_follow_the_engine_cli_contract():
+    ctx = make_ctx(load_example("multi-cluster.yaml")["spec"])
+    args = engine_args(ctx)
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags == {
+        "--model": "/models/llama-3.1-8b-instruct",
+        "--host": "0.0.0.0",
+        "--port": "8000",
+        "--policy": "sarathi",
+        "--token-budget": "512",
+        "--max-num-seqs": "256",
+        "--block-size": "16",
+        "--dtype": "bfloat16",
+        "--traffic-clusters": "/etc/stallfree/engine.yaml",
+        "--tensor-parallel-size": "2",
+        "--pipeline-parallel-size": "1",
+    }
+    assert make_ctx({"model": {}}).spec.model.name == "SmolLM2-135M-Instruct"
+    assert engine_args(make_ctx({"model": {}}))[1] == "SmolLM2-135M-Instruct"
+
+
+def test_engine_config_copies_traffic_clusters_and_fills_defaults():
+    spec = load_example("multi-cluster.yaml")["spec"]
+    cfg = engine_config(make_ctx(spec))
+    assert cfg["tokenBudget"] == 512
+    assert [c["name"] for c in cfg["trafficClusters"]] == ["chat", "summarization", "batch"]
+    chat = cfg["trafficClusters"][0]
+    for key, value in spec["trafficClusters"][0].items():
+        assert chat[key] == value  # copied unchanged
+    summarization = cfg["trafficClusters"][1]
+    # missing SLO field filled from spec.slo; explicit ones kept
+    assert summarization["slo"] == {
+        "ttftP99Seconds": 10.0,
+        "tbtP99Seconds": 0.25,
+        "schedulingDelayP50Seconds": 2.0,
+    }
+    no_clusters = engine_config(make_ctx({"model": {}, "admission": {"maxWaiting": 7}}))
+    assert no_clusters["trafficClusters"] == [
+        {
+            "name": "default",
+            "priority": 0,
+            "slo": {"ttftP99Seconds": 2.0, "tbtP99Seconds": 0.2, "schedulingDelayP50Seconds": 2.0},
+            "maxWaiting": 7,
+        }
+    ]
+
+
+def test_controller_tuning_reaches_config_map_but_does_not_roll_pods():
+    spec = load_example("multi-cluster.yaml")["spec"]
+    status = {
+        "budget": {"tokenBudget": 1024},
+        "trafficClusters": [{"name": "chat", "chunkCap": 128, "maxWaiting": 16}],
+    }
+    plain, tuned = build_children(make_ctx(spec)), build_children(make_ctx(spec, status=status))
+    cfg = yaml.safe_load(tuned[0]["data"]["engine.yaml"])
+    assert cfg["tokenBudget"] == 1024
+    assert cfg["trafficClusters"][0]["chunkCap"] == 128 and cfg["trafficClusters"][0]["maxWaiting"] == 16
+    assert pod_template_hash(plain) == pod_template_hash(tuned)
+    # a tuned budget outside [min, max] is clamped
+    clamped = engine_config(make_ctx(spec, status={"budget": {"tokenBudget": 10**6}}))
+    assert clamped["tokenBudget"] == 2048
+
+
+def test_spec_change_rolls_pods():
+    spec = load_example("sarathideployment.yaml")["spec"]
+    changed = {**spec, "budget": {**spec["budget"], "initial": 1024}}
+    assert pod_template_hash(build_children(make_ctx(spec))) != pod_template_hash(
+        build_children(make_ctx(changed))
+    )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_child_is_owned_and_labelled(case: str):
+    for child in build_children(CASES[case]()):
+        meta = child["metadata"]
+        assert meta["namespace"] == "serving"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "serving.stallfree.dev/v1alpha1",
+                "kind": "SarathiDeployment",
+                "name": "demo",
+                "uid": OWNER.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"]["serving.stallfree.dev/deployment"] == "demo"
+
+
+def test_gpu_requests_and_pod_layout():
+    def pods(children):
+        return [c for c in children if c["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet")]
+
+    one = pods(build_children(make_ctx({"model": {}, "parallelism": {"tensor": 4, "pipeline": 2}})))
+    assert [c["kind"] for c in one] == ["Deployment"]
+    res = one[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == "8" and res["limits"]["nvidia.com/gpu"] == "8"
+
+    sts = pods(build_children(make_ctx(MULTI_NODE)))
+    assert [c["metadata"]["name"] for c in sts] == ["demo-r0", "demo-r1"]
+    assert all(s["spec"]["replicas"] == 2 for s in sts)  # 16 GPUs per replica over 8-GPU nodes
+    env = {e["name"]: e for e in sts[1]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["STALLFREE_LEADER_ADDRESS"]["value"] == "demo-r1-0.demo-pods.serving.svc"
+    assert env["STALLFREE_NUM_NODES"]["value"] == "2"
+
+    lws = pods(build_children(make_ctx(MULTI_NODE, features=Features(leader_worker_set=True))))
+    assert lws[0]["kind"] == "LeaderWorkerSet" and lws[0]["spec"]["leaderWorkerTemplate"]["size"] == 2
+
+    cpu = pods(build_children(make_ctx({"model": {}, "resources": {"gpusPerPod": 0}})))
+    assert (
+        "nvidia.com/gpu" not in cpu[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    )
+
+
+def test_pydantic_defaults_agree_with_the_crd():
+    """An empty spec defaulted by the CRD and one defaulted by pydantic are the same spec."""
+    from_crd = parse_spec(defaulted_spec({"model": {}}))
+    from_pydantic = parse_spec({})
+    assert from_crd == from_pydantic
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"budget": {"initial": 100, "min": 128, "max": 4096, "align": 32}}, "budget.initial"),
+        ({"replicas": {"min": 3, "max": 1}}, "replicas.min"),
+        ({"trafficClusters": [{"name": "a"}, {"name": "a"}]}, "unique"),
+        ({"model": {"source": {"type": "HostPath", "path": "rel"}}}, "model.source.path"),
+    ],
+)
+def test_spec_model_repeats_the_crd_checks(spec: dict, message: str):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        parse_spec(spec)
