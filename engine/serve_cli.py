@@ -1,0 +1,215 @@
+"""`stallfree serve`: the OpenAI-compatible server with stall-free batching.
+
+Starts listening at once (/health answers) and loads the model in the background; /ready turns 200 when
+the engine loop runs. SIGTERM/SIGINT: stop admitting, let in-flight requests finish (--drain-timeout),
+exit. Heavy imports (torch, fastapi) happen after argument parsing, so --help is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from stallfree.engine.config import DTYPES, POLICIES
+
+logger = logging.getLogger(__name__)
+
+EPILOG = """\
+environment:
+  STALLFREE_API_KEY       API key for /v1/* (same as --api-key)
+  STALLFREE_ADMIN_TOKEN   bearer token for /admin/v1/* (same as --admin-token); without one the admin API
+                          is open when bound to 127.0.0.1 and disabled (403) otherwise
+
+traffic clusters file (YAML or JSON):
+  tokenBudget: 512
+  trafficClusters:
+    - name: chat
+      match: {header: chat, maxPromptTokens: 2048}     # x-traffic-cluster header / prompt length range
+      slo: {ttftP99Seconds: 2.0, tbtP99Seconds: 0.2}
+      chunkCap: 256
+      maxWaiting: 64                                  # beyond it: 429 + Retry-After
+      maxRunning: 32
+      priority: 0
+
+examples:
+  stallfree serve                                     # bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
+  stallfree serve --model ./Llama-3.2-1B --host 0.0.0.0 --token-budget 256 --traffic-clusters engine.yaml
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stallfree serve",
+        description="OpenAI-compatible LLM server with chunked prefill and stall-free batching.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default: the "
+                   "bundled SmolLM2-135M-Instruct")  # fmt: skip
+    m.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: bf16 on GPU, fp32 on CPU)"
+    )
+    m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    m.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallelism (only 1 for now)")
+    m.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="pipeline parallelism (only 1 for now)"
+    )
+    m.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default: sarathi)")
+    s.add_argument("--token-budget", type=int, default=512, help="tokens per iteration (sarathi); the "
+                   "traffic clusters file's tokenBudget overrides it")  # fmt: skip
+    s.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    s.add_argument("--chunk-align", type=int, default=0, help="round prefill chunks to this tile (0 = off)")
+    s.add_argument("--traffic-clusters", metavar="FILE", default=None, help="YAML/JSON traffic clusters file")
+    s.add_argument("--traffic-cluster", metavar="SPEC", action="append", default=[],
+                   help="a cluster inline, repeatable: name=chat,header=chat,chunkCap=256,maxWaiting=64,"
+                   "maxRunning=32,priority=1,tbtP99Seconds=0.2,maxPromptTokens=2048")  # fmt: skip
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    c.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV-cache blocks (overrides the memory size)"
+    )
+    c.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size in GiB "
+                   "(default: 1 GiB on CPU, half the free memory on GPU)")  # fmt: skip
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    h.add_argument("--api-key", default=os.environ.get("STALLFREE_API_KEY"), help="require this API key")
+    h.add_argument(
+        "--admin-token", default=os.environ.get("STALLFREE_ADMIN_TOKEN"), help="admin bearer token"
+    )
+    h.add_argument("--stats-window", type=float, default=60.0, help="seconds of history in /admin/v1/stats")
+    h.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+    )
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"stallfree serve: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def build_configs(args: argparse.Namespace):
+    """(EngineConfig, ServerSettings) from parsed arguments. Raises ValueError with a user-facing message."""
+    from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.engine.paths import DEFAULT_MODEL_NAME
+    from stallfree.engine.server.state import ServerSettings
+    from stallfree.engine.server.traffic import (
+        TrafficConfig,
+        load_traffic_config,
+        parse_cluster,
+        parse_cluster_flag,
+        parse_traffic_config,
+    )
+
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        v = getattr(args, flag)
+        if v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+        if v > 1:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {v} is not supported yet: this build runs a model on one device"
+            )
+    if args.token_budget < 1:
+        raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    model = None if args.model in (None, DEFAULT_MODEL_NAME) else args.model
+    if model is not None and not Path(model).expanduser().exists():
+        raise ValueError(
+            f"--model {model}: no such file or folder (give a .gguf file or a Hugging Face folder)"
+        )
+    if args.traffic_clusters:
+        traffic = load_traffic_config(args.traffic_clusters, args.token_budget, args.chunk_align)
+    else:
+        traffic = parse_traffic_config({}, args.token_budget, args.chunk_align)
+    if args.traffic_cluster:  # inline clusters replace same-named ones from the file
+        flags = [
+            parse_cluster(parse_cluster_flag(f), f"--traffic-cluster[{i}]")
+            for i, f in enumerate(args.traffic_cluster)
+        ]
+        names = {c.name for c in flags}
+        kept = tuple(c for c in traffic.clusters if c.name not in names)
+        traffic = TrafficConfig(traffic.token_budget, traffic.chunk_align, (*kept, *flags))
+    engine_config = EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        scheduler=SchedulerConfig(
+            policy=args.policy,
+            max_num_seqs=args.max_num_seqs,
+            chunk_align=traffic.chunk_align,
+            tunables=traffic.tunables(),
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+        ),
+    )
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        admin_token=args.admin_token or None,
+        traffic=traffic,
+        stats_window_s=args.stats_window,
+        drain_timeout_s=args.drain_timeout,
+    )
+    return engine_config, settings
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        engine_config, settings = build_configs(args)
+    except ValueError as e:
+        return _fail(str(e))
+
+    import uvicorn
+
+    from stallfree.engine.engine import LLMEngine
+    from stallfree.engine.server.app import build_app
+
+    app = build_app(settings, lambda: LLMEngine(engine_config))
+    state = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if state.engine is not None and not state.engine.draining:
+                logger.info("signal %s: no longer admitting requests; draining", sig)
+                state.engine.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
+        log_config=None,
+    )
+    server = _Server(config)
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    server.run()
+    if state.load_error is not None:
+        print(f"stallfree serve: error: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,365 @@
+"""AsyncEngine: one dedicated thread drives the synchronous LLMEngine; asyncio handlers talk to it.
+
+Handlers submit requests and aborts through a thread-safe inbox; the engine thread drains it between
+iterations, steps the engine, and hands each request's outputs to that request's asyncio.Queue (one
+`call_soon_threadsafe` per iteration). NOTE: only the engine thread calls the engine; the event loop
+only reads immutable things (the tokenizer, max_model_len, the block size).
+
+Admission happens here, per traffic cluster: waiting = queued in the engine + submitted but not yet
+handed to it; beyond `maxWaiting` a request gets 429 with a Retry-After estimated from the cluster's
+recent admission rate. Every accepted request ends with its output or an explicit error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from stallfree.engine.engine import LLMEngine
+from stallfree.engine.outputs import RequestOutput
+from stallfree.engine.request import Request
+from stallfree.engine.sampling_params import SamplingParams
+from stallfree.engine.server.errors import NotReady, Overloaded
+from stallfree.engine.server.observer import EngineObserver
+from stallfree.engine.server.traffic import TrafficConfig
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Engine-thread bookkeeping for one in-flight request."""
+
+    stream: RequestStream
+    req: Request
+    scheduled: bool = False
+    tokens_seen: int = 0
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """What a handler holds: the request's identity and its queue of RequestOutputs (last one finished)."""
+
+    request_id: str
+    cluster: str
+    prompt_token_ids: list[int]
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out: RequestOutput = await self.queue.get()
+            if out.finished:
+                self.finished = True
+            yield out
+            if out.finished:
+                return
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, traffic: TrafficConfig, observer: EngineObserver | None = None):
+        self.engine = engine
+        self.traffic = traffic
+        self.observer = observer or EngineObserver()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()  # guards _pending and _waiting
+        self._pending: dict[str, int] = {}  # submitted, not yet in the engine
+        self._waiting: dict[str, int] = {}  # in the engine's waiting queue (last snapshot)
+        self._running: dict[str, int] = {}
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._last_stats = engine.last_stats
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.dead: str | None = None  # why the engine loop died
+        self.draining = False
+        self.num_in_flight = 0  # accepted, not finished (event loop thread)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._apply_config(traffic)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting and wait until every accepted request has ended. True when idle in time."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ---- called from the event loop -----------------------------------------------------------------
+    def waiting(self, cluster: str) -> int:
+        with self._lock:
+            return self._waiting.get(cluster, 0) + self._pending.get(cluster, 0)
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(waiting, running) per cluster, including requests not yet handed to the engine."""
+        with self._lock:
+            waiting = dict(self._waiting)
+            for c, n in self._pending.items():
+                waiting[c] = waiting.get(c, 0) + n
+            return waiting, dict(self._running)
+
+    def check_available(self) -> None:
+        if self.dead is not None:
+            raise NotReady(f"the engine loop stopped: {self.dead}")
+        if self.draining:
+            raise NotReady("the server is shutting down and no longer admits requests", retry_after=1)
+        if not self.running:
+            raise NotReady("the engine is not running yet", retry_after=1)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cluster: str,
+        retry_after_hint: float = 1.0,
+    ) -> RequestStream:
+        """Admit a validated request or raise Overloaded/NotReady. Outputs arrive on the returned stream."""
+        try:
+            self.check_available()
+        except NotReady:
+            self.observer.on_rejected(cluster, "draining" if self.draining else "not_ready")
+            raise
+        spec = self.traffic.cluster(cluster)
+        with self._lock:
+            waiting = self._waiting.get(cluster, 0) + self._pending.get(cluster, 0)
+            if spec.max_waiting is not None and waiting >= spec.max_waiting:
+                full = True
+            else:
+                full = False
+                self._pending[cluster] = self._pending.get(cluster, 0) + 1
+        if full:
+            self.observer.on_rejected(cluster, "queue_full")
+            retry = max(1, math.ceil(retry_after_hint))
+            raise Overloaded(
+                f"traffic cluster {cluster!r} has {waiting} requests waiting (maxWaiting "
+                f"{spec.max_waiting}); retry after {retry} s",
+                retry_after=retry,
+            )
+        stream = RequestStream(request_id, cluster, prompt_token_ids, self.engine.clock())
+        self.observer.on_arrival(cluster, len(prompt_token_ids))
+        self.num_in_flight += 1
+        self._idle.clear()
+        self._send("add", (stream, params, spec.priority))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    async def update_config(self, config: TrafficConfig) -> None:
+        """Apply new tunables from the next iteration; returns once the engine thread has them."""
+        self.check_available()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._send("config", (config, done))
+        await done
+
+    def request_done(self) -> None:
+        """A handler finished with a stream (for draining)."""
+        self.num_in_flight -= 1
+        if self.num_in_flight <= 0:
+            self.num_in_flight = 0
+            self._idle.set()
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._inbox.put((kind, payload))
+        self._wakeup.set()
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine loop started")
+        try:
+            while not self._stop.is_set():
+                self._wakeup.clear()
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(IDLE_POLL_S)
+                    continue
+                outs = self.engine.step()
+                self._after_step(outs)
+        except Exception as e:  # noqa: BLE001 - the loop must never die silently
+            logger.exception("the engine loop died; failing %d in-flight requests", len(self._tracked))
+            self.dead = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the engine loop failed: {self.dead}")
+            return
+        if self._tracked:
+            for rid in list(self._tracked):
+                self.engine.abort_request(rid)
+            self._fail_all("the server stopped before this request finished")
+        logger.info("engine loop stopped")
+
+    def _drain_inbox(self) -> None:
+        deliveries: list[tuple[RequestStream, RequestOutput]] = []
+        acks: list[asyncio.Future] = []
+        with self._lock:
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    stream, params, priority = payload
+                    self._pending[stream.cluster] -= 1
+                    out = self._add(stream, params, priority)
+                    if out is not None:
+                        deliveries.append((stream, out))
+                elif kind == "abort":
+                    t = self._tracked.get(payload)
+                    out = self.engine.abort_request(payload)
+                    if t is not None and out is not None:
+                        self._observe(t, out)
+                        deliveries.append((t.stream, out))
+                elif kind == "config":
+                    config, fut = payload
+                    self._apply_config(config)
+                    acks.append(fut)
+            self._snapshot_counts()
+        self._deliver(deliveries, acks)
+
+    def _add(self, stream: RequestStream, params: SamplingParams, priority: int) -> RequestOutput | None:
+        try:
+            req = self.engine.add_request(
+                stream.request_id,
+                stream.prompt_token_ids,
+                params,
+                traffic_cluster=stream.cluster,
+                priority=priority,
+                arrival_time=stream.arrival_time,
+            )
+        except ValueError as e:  # validated by the handler already; this is a last line of defence
+            self.observer.on_finished(stream.cluster, "error", 0.0)
+            return _error_output(stream, str(e))
+        self._tracked[stream.request_id] = _Tracked(stream, req)
+        return None
+
+    def _apply_config(self, config: TrafficConfig) -> None:
+        self.engine.set_tunables(config.tunables())
+        sched = self.engine.scheduler
+        if sched.config.chunk_align != config.chunk_align:
+            sched.config = replace(sched.config, chunk_align=config.chunk_align)
+        self.traffic = config
+        self.observer.on_config(config)
+
+    def _snapshot_counts(self) -> None:
+        sched = self.engine.scheduler
+        self._waiting = sched.count_by_cluster(sched.waiting)
+        self._running = sched.count_by_cluster(sched.running)
+
+    def _after_step(self, outs: list[RequestOutput]) -> None:
+        deliveries = []
+        for out in outs:
+            t = self._tracked.get(out.request_id)
+            if t is not None:
+                self._observe(t, out)
+                deliveries.append((t.stream, out))
+        for t in self._tracked.values():  # prefill chunks that produced no token yet
+            if not t.scheduled and t.req.first_scheduled_time is not None:
+                t.scheduled = True
+                self.observer.on_scheduled(t.stream.cluster, t.req.first_scheduled_time - t.req.arrival_time)
+        with self._lock:
+            self._snapshot_counts()
+            waiting, running = dict(self._waiting), dict(self._running)
+        stats = self.engine.last_stats
+        if stats is self._last_stats:  # an empty step reports no new iteration
+            stats = None
+        self._last_stats = self.engine.last_stats
+        self.observer.on_iteration(stats, waiting, running, self.engine.block_manager.usage)
+        self._deliver(deliveries, [])
+
+    def _observe(self, t: _Tracked, out: RequestOutput) -> None:
+        req, cluster = t.req, t.stream.cluster
+        if not t.scheduled and req.first_scheduled_time is not None:
+            t.scheduled = True
+            self.observer.on_scheduled(cluster, req.first_scheduled_time - req.arrival_time)
+        times = req.token_times
+        n = len(times)
+        if n > t.tokens_seen:
+            if t.tokens_seen == 0:
+                self.observer.on_first_token(cluster, times[0] - req.arrival_time)
+            start = max(t.tokens_seen - 1, 0)
+            gaps = [b - a for a, b in zip(times[start : n - 1], times[start + 1 : n], strict=True)]
+            if gaps:
+                self.observer.on_token_gaps(cluster, gaps)
+            self.observer.on_generation_tokens(cluster, n - t.tokens_seen)
+            t.tokens_seen = n
+        if out.finished:
+            end = req.finish_time if req.finish_time is not None else self.engine.clock()
+            self.observer.on_finished(cluster, out.finish_reason or "error", end - req.arrival_time)
+            del self._tracked[out.request_id]
+
+    def _deliver(self, deliveries: list[tuple[RequestStream, RequestOutput]], acks: list) -> None:
+        if not deliveries and not acks:
+            return
+        assert self._loop is not None  # noqa: S101 - set by start() before the thread runs
+
+        def deliver() -> None:
+            for stream, out in deliveries:
+                stream.queue.put_nowait(out)
+            for fut in acks:
+                if not fut.done():
+                    fut.set_result(None)
+
+        try:
+            self._loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            logger.debug("event loop closed; dropped %d outputs", len(deliveries))
+
+    def _fail_all(self, message: str) -> None:
+        deliveries = []
+        for t in list(self._tracked.values()):
+            self.observer.on_finished(t.stream.cluster, "error", self.engine.clock() - t.req.arrival_time)
+            deliveries.append((t.stream, _error_output(t.stream, message)))
+        self._tracked.clear()
+        acks = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                deliveries.append((payload[0], _error_output(payload[0], message)))
+            elif kind == "config":
+                acks.append(payload[1])
+        self._deliver(deliveries, acks)
+
+
+def _error_output(stream: RequestStream, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=stream.request_id,
+        prompt_token_ids=stream.prompt_token_ids,
+        token_ids=[],
+        text="",
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        traffic_cluster=stream.cluster,
+        error=message,
+    )

@@ -1,0 +1,170 @@
+"""Prometheus metrics: the ONLY module that imports prometheus_client.
+
+Names are a contract (budget controller, Grafana dashboard, alerts): `stallfree_*` with units and the
+`traffic_cluster` label, plus the vLLM-compatible subset with `model_name`. Each server instance owns its
+own CollectorRegistry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as _CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from stallfree.engine.outputs import IterationStats
+from stallfree.engine.server.observer import EngineObserver
+
+CONTENT_TYPE = _CONTENT_TYPE
+TC = ("traffic_cluster",)
+# Fine-grained enough to read a P99 TBT anywhere between 5 ms and 10 s.
+TBT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05,
+    0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8,
+    1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0,
+)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
+    2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+    6144, 8192, 16384,
+)  # fmt: skip
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+
+class PrometheusMetrics(EngineObserver):
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self._clusters: set[str] = set()
+        h, g, c = Histogram, Gauge, Counter
+        self.ttft = h("stallfree_time_to_first_token_seconds", "Arrival to first output token.", TC,
+                      buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tbt = h("stallfree_time_between_tokens_seconds", "Every gap between consecutive output tokens.",
+                     TC, buckets=TBT_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = h("stallfree_e2e_request_latency_seconds", "Arrival to finish.", TC,
+                     buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.sched_delay = h("stallfree_scheduling_delay_seconds", "Arrival to first scheduled iteration.",
+                             TC, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.iter_time = h("stallfree_iteration_duration_seconds", "Wall time of one engine iteration.",
+                           buckets=TBT_BUCKETS, registry=r)  # fmt: skip
+        self.iter_prefill = h("stallfree_iteration_prefill_tokens", "Prefill tokens per iteration.",
+                              buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.iter_decode = h("stallfree_iteration_decode_tokens", "Decode tokens per iteration.",
+                             buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.running = g("stallfree_requests_running", "Requests running in the engine.", TC, registry=r)
+        self.waiting = g("stallfree_requests_waiting", "Requests waiting for admission.", TC, registry=r)
+        self.kv_usage = g(
+            "stallfree_kv_cache_usage_ratio", "Share of KV-cache blocks in use (0..1).", registry=r
+        )
+        self.budget = g("stallfree_token_budget", "Current per-iteration token budget.", registry=r)
+        self.chunk_cap = g("stallfree_chunk_cap_tokens", "Prefill tokens per iteration for the cluster "
+                           "(0 = only the budget).", TC, registry=r)  # fmt: skip
+        self.max_waiting = g("stallfree_max_waiting", "Admission bound on waiting requests (0 = none).", TC,
+                             registry=r)  # fmt: skip
+        self.max_running = g("stallfree_max_running", "Bound on running requests (0 = none).", TC, registry=r)
+        self.slo_ttft = g("stallfree_slo_ttft_p99_seconds", "P99 TTFT objective.", TC, registry=r)
+        self.slo_tbt = g("stallfree_slo_tbt_p99_seconds", "P99 TBT objective.", TC, registry=r)
+        self.requests = c("stallfree_requests", "Requests by outcome.", (*TC, "outcome"), registry=r)
+        self.arrivals = c("stallfree_request_arrivals", "Accepted requests.", TC, registry=r)
+        self.prompt_tokens = c(
+            "stallfree_prompt_tokens", "Prompt tokens, counted on arrival.", TC, registry=r
+        )
+        self.gen_tokens = c("stallfree_generation_tokens", "Generated tokens.", TC, registry=r)
+        self.preemptions = c("stallfree_preemptions", "Requests preempted (recompute).", registry=r)
+        self.rejections = c("stallfree_rejections", "Requests refused at admission.", (*TC, "reason"),
+                            registry=r)  # fmt: skip
+        self.iterations = c("stallfree_iterations", "Engine iterations by kind.", ("kind",), registry=r)
+        m = ("model_name",)
+        self.v_waiting = g("vllm:num_requests_waiting", "Requests waiting.", m, registry=r)
+        self.v_running = g("vllm:num_requests_running", "Requests running.", m, registry=r)
+        self.v_kv = g("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100%).", m, registry=r)
+        self.v_ttft = h("vllm:time_to_first_token_seconds", "Time to first token.", m,
+                        buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.v_itl = h("vllm:inter_token_latency_seconds", "Inter-token latency.", m, buckets=TBT_BUCKETS,
+                       registry=r)  # fmt: skip
+        for kind in ("prefill", "decode", "hybrid"):
+            self.iterations.labels(kind)
+        for metric in (self.v_waiting, self.v_running, self.v_kv):
+            metric.labels(model_name).set(0)
+
+    def _cluster(self, name: str) -> None:
+        """Create a cluster's series at zero so dashboards see it before its first request."""
+        if name in self._clusters:
+            return
+        self._clusters.add(name)
+        for o in OUTCOMES:
+            self.requests.labels(name, o)
+        for metric in (self.arrivals, self.prompt_tokens, self.gen_tokens):
+            metric.labels(name)
+        self.running.labels(name).set(0)
+        self.waiting.labels(name).set(0)
+
+    # ---- observer ----------------------------------------------------------------------------------
+    def on_arrival(self, cluster: str, prompt_tokens: int) -> None:
+        self._cluster(cluster)
+        self.arrivals.labels(cluster).inc()
+        self.prompt_tokens.labels(cluster).inc(prompt_tokens)
+
+    def on_rejected(self, cluster: str, reason: str) -> None:
+        self._cluster(cluster)
+        self.rejections.labels(cluster, reason).inc()
+        self.requests.labels(cluster, "rejected").inc()
+
+    def on_scheduled(self, cluster: str, delay: float) -> None:
+        self.sched_delay.labels(cluster).observe(delay)
+
+    def on_first_token(self, cluster: str, ttft: float) -> None:
+        self.ttft.labels(cluster).observe(ttft)
+        self.v_ttft.labels(self.model_name).observe(ttft)
+
+    def on_token_gaps(self, cluster: str, gaps: list[float]) -> None:
+        tbt, itl = self.tbt.labels(cluster), self.v_itl.labels(self.model_name)
+        for gap in gaps:
+            tbt.observe(gap)
+            itl.observe(gap)
+
+    def on_generation_tokens(self, cluster: str, n: int) -> None:
+        self.gen_tokens.labels(cluster).inc(n)
+
+    def on_finished(self, cluster: str, outcome: str, e2e: float) -> None:
+        self._cluster(cluster)
+        self.requests.labels(cluster, outcome if outcome in OUTCOMES else "error").inc()
+        self.e2e.labels(cluster).observe(e2e)
+
+    def on_iteration(
+        self, stats: IterationStats | None, waiting: dict[str, int], running: dict[str, int], kv_usage: float
+    ) -> None:
+        for name in self._clusters | set(waiting) | set(running):
+            self._cluster(name)
+            self.waiting.labels(name).set(waiting.get(name, 0))
+            self.running.labels(name).set(running.get(name, 0))
+        self.kv_usage.set(kv_usage)
+        self.v_kv.labels(self.model_name).set(kv_usage)
+        self.v_waiting.labels(self.model_name).set(sum(waiting.values()))
+        self.v_running.labels(self.model_name).set(sum(running.values()))
+        if stats is None:
+            return
+        self.iter_time.observe(stats.time_total)
+        self.iter_prefill.observe(stats.num_prefill_tokens)
+        self.iter_decode.observe(stats.num_decode_tokens)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        p, d = stats.num_prefill_tokens, stats.num_decode_tokens
+        kind = "hybrid" if p and d else ("prefill" if p else "decode")
+        self.iterations.labels(kind).inc()
+
+    def on_config(self, config) -> None:
+        self.budget.set(config.token_budget)
+        for c in config.clusters:
+            self._cluster(c.name)
+            self.chunk_cap.labels(c.name).set(c.chunk_cap or 0)
+            self.max_waiting.labels(c.name).set(c.max_waiting or 0)
+            self.max_running.labels(c.name).set(c.max_running or 0)
+            if c.slo.ttft_p99 is not None:
+                self.slo_ttft.labels(c.name).set(c.slo.ttft_p99)
+            if c.slo.tbt_p99 is not None:
+                self.slo_tbt.labels(c.name).set(c.slo.tbt_p99)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,149 @@
+"""Pydantic models of the OpenAI request bodies we accept (the trust boundary) and their conversion to
+SamplingParams. Responses are built as plain dicts in `responses.py` (cheaper per streamed chunk)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from stallfree.engine.sampling_params import SamplingParams
+from stallfree.engine.server.errors import BadRequest
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extensions, so benchmarks can fix output lengths
+    top_k: int = Field(default=0, ge=-1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported; send several requests for several choices")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise BadRequest(f"{name} is not supported by this server; leave it at 0", param=name)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise BadRequest(
+                    "batched prompts are not supported: send one prompt per request", param="prompt"
+                )
+            p = p[0]
+        if not p:
+            raise BadRequest(
+                "prompt is empty: give a string or a non-empty list of token ids", param="prompt"
+            )
+        if self.echo:
+            raise BadRequest("echo is not supported", param="echo")
+        if self.suffix:
+            raise BadRequest("suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise BadRequest("best_of is not supported (only 1)", param="best_of")
+        return p  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest("only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,142 @@
+"""OpenAI response bodies and SSE chunks, built as plain dicts (one per streamed token: keep it cheap)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from stallfree.engine.model.tokenizer import Tokenizer
+from stallfree.engine.outputs import RequestOutput, TokenLogprob
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseBuilder:
+    """Builds one request's bodies; `kind` is "completion" or "chat"."""
+
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Tokenizer, include_usage: bool):
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self._text_offset = 0
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- logprobs ----------------------------------------------------------------------------------
+    def completion_logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        tokens, offsets = [], []
+        for lp in lps:
+            tok = self._token(lp.token_id)
+            tokens.append(tok)
+            offsets.append(self._text_offset)
+            self._text_offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+
+        def entry(tid: int, v: float) -> dict[str, Any]:
+            tok = self._token(tid)
+            return {"token": tok, "logprob": v, "bytes": list(tok.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in lps
+            ]
+        }
+
+    # ---- whole responses ---------------------------------------------------------------------------
+    def full(self, out: RequestOutput) -> dict[str, Any]:
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        if self.kind == "completion":
+            choice = {
+                "index": 0,
+                "text": out.text,
+                "logprobs": self.completion_logprobs(out.logprobs),
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            return {**self._head("text_completion"), "choices": [choice], "usage": usage(n_prompt, n_out)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": self.chat_logprobs(out.logprobs),
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(n_prompt, n_out)}
+
+    # ---- streaming ---------------------------------------------------------------------------------
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        body = {**self._head(obj), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def first_chunk(self) -> str | None:
+        if self.kind != "chat":
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})  # fmt: skip
+
+    def delta_chunk(self, out: RequestOutput) -> str | None:
+        """The chunk for this step's new text (and the finish reason when it ends), or None if empty."""
+        if not out.new_text and not out.finished and not out.new_logprobs:
+            return None
+        finish = out.finish_reason if out.finished else None
+        if self.kind == "completion":
+            choice = {
+                "index": 0,
+                "text": out.new_text,
+                "logprobs": self.completion_logprobs(out.new_logprobs),
+                "finish_reason": finish,
+            }
+        else:
+            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": self.chat_logprobs(out.new_logprobs),
+                "finish_reason": finish,
+            }
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        return self._chunk(choice)
+
+    def usage_chunk(self, out: RequestOutput) -> str:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return sse(
+            {**self._head(obj), "choices": [], "usage": usage(len(out.prompt_token_ids), len(out.token_ids))}
+        )

@@ -1,0 +1,112 @@
+"""ServerSettings (built once by the CLI) and ServerState (what the handlers share): the engine is loaded
+in a background thread at startup so /health answers while the model loads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stallfree.engine.engine import LLMEngine
+from stallfree.engine.server.async_engine import AsyncEngine
+from stallfree.engine.server.errors import Forbidden, NotFound, NotReady, Unauthorized
+from stallfree.engine.server.metrics import PrometheusMetrics
+from stallfree.engine.server.observer import FanOut
+from stallfree.engine.server.stats import WindowStats
+from stallfree.engine.server.traffic import TrafficConfig
+
+logger = logging.getLogger(__name__)
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_token: str | None = None
+    traffic: TrafficConfig = TrafficConfig()
+    stats_window_s: float = 60.0
+    drain_timeout_s: float = 30.0
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, engine_factory: Callable[[], LLMEngine]) -> None:
+        self.settings = settings
+        self.engine_factory = engine_factory
+        self.engine: AsyncEngine | None = None
+        self.metrics: PrometheusMetrics | None = None
+        self.window = WindowStats(settings.stats_window_s)
+        self.model_name: str | None = None
+        self.load_error: str | None = None
+        self.on_fatal: Callable[[], None] | None = None  # the CLI stops uvicorn when loading fails
+        self.admin_lock = asyncio.Lock()
+        self._load_task: asyncio.Task | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        self._load_task = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self.engine_factory)
+        except Exception as e:  # noqa: BLE001 - reported through /ready and the log, then the server exits
+            logger.exception("loading the model failed")
+            self.load_error = f"{type(e).__name__}: {e}"
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.model_name = engine.loaded.name
+        self.metrics = PrometheusMetrics(self.model_name)
+        self.engine = AsyncEngine(engine, self.settings.traffic, FanOut(self.metrics, self.window))
+        self.engine.start()
+        logger.info("serving %s on http://%s:%d", self.model_name, self.settings.host, self.settings.port)
+
+    async def shutdown(self) -> None:
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        if self.engine is None:
+            return
+        if not await self.engine.drain(self.settings.drain_timeout_s):
+            logger.warning(
+                "drain timed out after %.0f s; aborting what is left", self.settings.drain_timeout_s
+            )
+        self.engine.stop()
+
+    # ---- checks used by handlers -------------------------------------------------------------------
+    def ready_engine(self) -> AsyncEngine:
+        if self.load_error is not None:
+            raise NotReady(f"the model failed to load: {self.load_error}")
+        if self.engine is None:
+            raise NotReady("the model is still loading", retry_after=5)
+        self.engine.check_available()
+        return self.engine
+
+    def check_api_key(self, authorization: str | None) -> None:
+        key = self.settings.api_key
+        if key is not None and authorization != f"Bearer {key}":
+            raise Unauthorized(
+                "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
+
+    def check_admin(self, authorization: str | None) -> None:
+        token = self.settings.admin_token
+        if token is None:
+            if self.settings.host in LOCAL_HOSTS:
+                return
+            raise Forbidden(
+                "the admin API is disabled: set STALLFREE_ADMIN_TOKEN (or --admin-token), or bind to 127.0.0.1"
+            )
+        if authorization != f"Bearer {token}":
+            raise Unauthorized("missing or wrong admin token: send `Authorization: Bearer <admin token>`")
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.model_name:
+            return
+        raise NotFound(
+            f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
