@@ -1,0 +1,67 @@
+"""From a validated SarathiDeployment spec to the controller's inputs (cluster specs and loop bounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Knobs, Slo
+from stallfree.operator.spec import SarathiSpec
+
+DEFAULT_CLUSTER = "default"  # what the engine config calls the one cluster of a spec without any
+
+
+@dataclass(frozen=True, slots=True)
+class LoopInputs:
+    specs: tuple[ClusterSpec, ...]
+    config: ControllerConfig
+    interval_s: float
+    window_s: float
+    initial_budget: int
+    initial_replicas: int
+
+
+def cluster_specs(spec: SarathiSpec) -> tuple[ClusterSpec, ...]:
+    """Each traffic cluster with missing SLOs and admission limits filled in from spec.slo / spec.admission,
+    exactly as the operator writes them into the engine config."""
+    d = spec.slo
+    adm = spec.admission
+    if not spec.traffic_clusters:
+        slo = Slo(d.ttft_p99_seconds, d.tbt_p99_seconds, d.scheduling_delay_p50_seconds)
+        return (ClusterSpec(DEFAULT_CLUSTER, slo=slo, knobs=Knobs(None, adm.max_waiting, adm.max_running)),)
+    out = []
+    for c in spec.traffic_clusters:
+        own = c.slo or {}
+        slo = Slo(
+            ttft_p99=float(own.get("ttftP99Seconds", d.ttft_p99_seconds)),
+            tbt_p99=float(own.get("tbtP99Seconds", d.tbt_p99_seconds)),
+            scheduling_delay_p50=float(own.get("schedulingDelayP50Seconds", d.scheduling_delay_p50_seconds)),
+        )
+        knobs = Knobs(
+            chunk_cap=c.chunk_cap,
+            max_waiting=c.max_waiting if c.max_waiting is not None else adm.max_waiting,
+            max_running=c.max_running if c.max_running is not None else adm.max_running,
+        )
+        out.append(ClusterSpec(c.name, slo=slo, priority=c.priority, knobs=knobs))
+    return tuple(out)
+
+
+def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
+    """Everything a ControlLoop needs from the spec; `overrides` replace ControllerConfig fields."""
+    b, r, ctl = spec.budget, spec.replicas, spec.controller
+    cfg = ControllerConfig(
+        budget_min=b.min,
+        budget_max=b.max,
+        align=b.align,
+        replicas_min=max(r.min, 1),
+        replicas_max=max(r.max, 1),
+        interval_s=float(ctl.interval_seconds),
+        **overrides,
+    )
+    return LoopInputs(
+        specs=cluster_specs(spec),
+        config=cfg,
+        interval_s=float(ctl.interval_seconds),
+        window_s=float(ctl.window_seconds),
+        initial_budget=b.initial,
+        initial_replicas=spec.replica_count(),
+    )

@@ -1,0 +1,234 @@
+"""One control step: read a snapshot, decide, apply, and describe it as the CR status document.
+
+Shared by local mode (engines' metrics or a local Prometheus, admin API) and the kopf timer (Prometheus,
+every engine pod, CR status). Missing or stale metrics hold the last good settings and set the
+MetricsAvailable condition to False: the loop never guesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Protocol
+
+from stallfree.operator.controller.cost_model import BUILTIN, CostModel
+from stallfree.operator.controller.decide import decide, initial_settings
+from stallfree.operator.controller.prometheus import MetricsUnavailable
+from stallfree.operator.controller.types import (
+    HOLD,
+    ClusterSpec,
+    ControllerConfig,
+    Decision,
+    Settings,
+    Snapshot,
+    State,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Source(Protocol):
+    def snapshot(self, window_s: float, clusters: list[str]) -> Snapshot: ...
+
+
+class ApplyFailed(RuntimeError):
+    """Settings could not be applied to (some of) the engines."""
+
+
+Applier = Callable[[Settings], None]
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(slots=True)
+class Step:
+    """What one step saw and did (for the live view, the metrics and the figures)."""
+
+    time: float
+    settings: Settings
+    action: str
+    reason: str
+    snapshot: Snapshot | None
+    holding: bool
+    decision: Decision | None = None
+
+
+@dataclass(slots=True)
+class ControlLoop:
+    specs: Sequence[ClusterSpec]
+    config: ControllerConfig
+    source: Source
+    apply: Applier
+    settings: Settings  # in force now (from status / the engines' config on restart, else the spec)
+    window_s: float = 60.0
+    min_window_s: float = 5.0
+    model: CostModel = BUILTIN
+    clock: Callable[[], float] = time.time
+    # A fresh loop waits out the cooldowns before its first change: a restarted controller does not jump.
+    state: State = field(default_factory=lambda: State(intervals_since_change=0, intervals_since_scale=0))
+    holding: str | None = None  # why settings are held (missing data / failed apply); None when not
+    last_change: float = field(default=0.0)
+    last: Step | None = None
+    history: deque = field(default_factory=lambda: deque(maxlen=2000))
+    observers: list[Callable[[Step], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.last_change:
+            self.last_change = self.clock()
+
+    @classmethod
+    def start(
+        cls, specs: Sequence[ClusterSpec], config: ControllerConfig, token_budget: int, replicas: int, **kw
+    ):
+        return cls(
+            specs=specs, config=config, settings=initial_settings(specs, config, token_budget, replicas), **kw
+        )
+
+    def effective_window(self, now: float) -> float:
+        """The metrics window: samples since the last change only (they describe the settings in force),
+        but at least min_window_s and at most window_s."""
+        return max(self.min_window_s, min(self.window_s, now - self.last_change))
+
+    def step(self) -> Step:
+        now = self.clock()
+        names = [s.name for s in self.specs]
+        try:
+            snap = self.source.snapshot(self.effective_window(now), names)
+        except MetricsUnavailable as e:
+            self.holding = str(e)
+            log.warning("holding settings: %s", e)
+            return self._record(
+                Step(now, self.settings, HOLD, f"holding last good settings: {e}", None, True)
+            )
+        d = decide(snap, self.settings, self.state, self.specs, self.config, self.model)
+        try:
+            self.apply(d.settings)
+        except ApplyFailed as e:
+            self.holding = f"could not apply settings: {e}"
+            log.warning("%s", self.holding)
+            return self._record(Step(now, self.settings, HOLD, self.holding, snap, True, d))
+        self.holding = None
+        if d.settings != self.settings:
+            self.last_change = now
+        self.settings, self.state = d.settings, d.state
+        if d.changed:
+            log.info("%s: %s", d.action, d.reason)
+        return self._record(Step(now, d.settings, d.action, d.reason, snap, False, d))
+
+    def _record(self, step: Step) -> Step:
+        self.last = step
+        self.history.append(step)
+        for obs in self.observers:
+            obs(step)
+        return step
+
+    def adopt(self, settings: Settings) -> None:
+        """Take settings found in force (engine config, CR status) as the starting point, clamped."""
+        b = self.config.clamp_budget(settings.token_budget)
+        n = max(self.config.replicas_min, min(self.config.replicas_max, settings.replicas))
+        merged = dict(self.settings.clusters)
+        merged.update(settings.clusters)
+        self.settings = replace(settings, token_budget=b, replicas=n, clusters=merged)
+
+    # ---- the status document (the CRD's .status, the same in local mode) -------------------------------
+    def status(self) -> dict:
+        step = self.last
+        snap = step.snapshot if step else None
+        s = self.settings
+        when = _iso(step.time) if step else None
+        clusters = []
+        all_met: bool | None = None
+        worst_tbt: float | None = None
+        for spec in self.specs:
+            k = s.knobs(spec.name)
+            item: dict = {"name": spec.name, "tokenBudget": s.token_budget, **k.as_engine()}
+            if snap is not None:
+                c = snap.cluster(spec.name)
+                obs = {
+                    "observedTtftP99Seconds": c.ttft_p99,
+                    "observedTbtP99Seconds": c.tbt_p99,
+                    "observedSchedulingDelayP50Seconds": c.scheduling_delay_p50,
+                }
+                item.update({k2: round(v, 4) for k2, v in obs.items() if v is not None})
+                item["queueLength"] = round(c.waiting, 2)
+                item["arrivalRate"] = round(c.arrival_rate, 3)
+                met = _slo_met(spec, c)
+                if met is not None:
+                    item["sloMet"] = met
+                    all_met = met if all_met is None else (all_met and met)
+                if c.tbt_p99 is not None:
+                    worst_tbt = max(worst_tbt or 0.0, c.tbt_p99)
+            if step and step.decision:
+                item["lastDecision"] = step.decision.cluster_actions.get(spec.name, step.action)
+                item["reason"] = step.decision.cluster_reasons.get(spec.name, step.reason)
+            elif step:
+                item["lastDecision"], item["reason"] = step.action, step.reason
+            if when:
+                item["lastDecisionTime"] = when
+            clusters.append(item)
+        budget: dict = {"tokenBudget": s.token_budget}
+        if worst_tbt is not None:
+            budget["observedTbtP99Seconds"] = round(worst_tbt, 4)
+        if step:
+            budget.update(lastDecision=step.action, lastDecisionTime=when, reason=step.reason)
+        return {
+            "budget": budget,
+            "desiredReplicas": s.replicas,
+            "trafficClusters": clusters,
+            "conditions": self.conditions(all_met),
+        }
+
+    def conditions(self, all_met: bool | None) -> list[dict]:
+        now = _iso(self.clock())
+        if self.holding:
+            metrics = {
+                "type": "MetricsAvailable",
+                "status": "False",
+                "reason": "HoldingSettings",
+                "message": self.holding,
+            }
+        else:
+            metrics = {
+                "type": "MetricsAvailable",
+                "status": "True",
+                "reason": "MetricsRead",
+                "message": "engine metrics are fresh",
+            }
+        if all_met is None:
+            slo = {
+                "type": "SLOMet",
+                "status": "Unknown",
+                "reason": "NoData",
+                "message": "no traffic observed in the window",
+            }
+        elif all_met:
+            slo = {
+                "type": "SLOMet",
+                "status": "True",
+                "reason": "SLOsMet",
+                "message": "every traffic cluster met its SLOs",
+            }
+        else:
+            slo = {
+                "type": "SLOMet",
+                "status": "False",
+                "reason": "SLOViolated",
+                "message": self.last.reason if self.last else "",
+            }
+        return [{**c, "lastTransitionTime": now} for c in (metrics, slo)]
+
+
+def _slo_met(spec: ClusterSpec, c) -> bool | None:
+    pairs = [
+        (c.tbt_p99, spec.slo.tbt_p99),
+        (c.ttft_p99, spec.slo.ttft_p99),
+        (c.scheduling_delay_p50, spec.slo.scheduling_delay_p50),
+    ]
+    seen = [(o, s) for o, s in pairs if o is not None]
+    return None if not seen else all(o <= s for o, s in seen)
