@@ -45,6 +45,10 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}: supported are {ARCHITECTURES}"
         )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"hidden_act {cfg['hidden_act']!r} is not supported: this model implements SwiGLU (silu)"
+        )
     if cfg.get("mlp_bias"):
         raise ValueError("config.json sets mlp_bias, which this Llama implementation does not support")
     hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from stallfree.engine.model.llama import LlamaForCausalLM
@@ -57,3 +65,186 @@ def greedy(model: LlamaForCausalLM, ids: list[int], max_new_tokens: int) -> list
         hidden = model(torch.tensor([next_id]), torch.tensor([pos]), attn)
         next_id = int(model.compute_logits(hidden).argmax(-1))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny checkpoints written on the fly: a byte-level BPE tokenizer, random HF models, GGUF files.
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 (HF configs' bos=1, eos=2)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "def add(a, b):\n    return a + b\n",
+    "Hello, world! Héllo, wörld! naïve café 日本語 🦀 ",
+    "the theory of the thing is that the other three think so",
+]
+
+
+def train_tiny_tokenizer(vocab_size: int = 320) -> Tokenizer:
+    """A GPT-2-style byte-level BPE tokenizer trained on a few sentences (all 256 bytes + some merges)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    return tok
+
+
+def bpe_vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
+    """(tokens by id, merges as "a b" strings) of a trained byte-level BPE tokenizer."""
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    tokens = [""] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def make_tiny_hf_model(arch: str = "llama", tie: bool = False, seed: int = 0, vocab_size: int = 320) -> Any:
+    """A random 2-layer transformers model (hidden 64, 4 heads, 2 KV heads) with non-trivial weights.
+
+    arch: "llama", "mistral" or "qwen2" (q/k/v biases). Every weight is redrawn, biases included, so a
+    mis-mapped or mis-permuted tensor shows up in the logits.
+    """
+    import transformers
+
+    cls_names = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    }
+    config_cls, model_cls = (getattr(transformers, n) for n in cls_names[arch])
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows: per head, interleave the two rotary halves.
+
+    Rows [a0 .. a(h/2-1), b0 .. b(h/2-1)] of each head become [a0, b0, a1, b1, ...].
+    """
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, i, *module, kind = hf_name.split(".")
+        return f"blk.{i}.{_HF_TO_GGUF['.'.join(module)]}.{kind}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(
+        hf_name, "output.weight"
+    )
+
+
+def write_gguf(
+    path: Path,
+    hf_model: Any,
+    tok: Tokenizer,
+    arch: str = "llama",
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    permute: bool = True,
+) -> Path:
+    """Write a transformers model and tokenizer as llama.cpp's converter would (Q/K permuted for "llama").
+
+    Matrices are stored as `qtype` (1-D tensors stay F32, as llama.cpp keeps norms); tied embeddings mean
+    no output.weight.
+    """
+    cfg = hf_model.config
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tokens, merges = bpe_vocab_and_merges(tok)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if permute and arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif permute and arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        if array.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            w.add_tensor(_gguf_name(name), quantize(array, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def save_hf_folder(folder: Path, hf_model: Any, tok: Tokenizer) -> Path:
+    """save_pretrained (safetensors) plus tokenizer.json and a tokenizer_config.json with a chat template."""
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE})
+    )
+    return folder
+
+
+@torch.no_grad()
+def hf_logits(hf_model: Any, ids: list[int]) -> Tensor:
+    """All-position float32 logits (T, vocab) of a transformers model."""
+    return hf_model(torch.tensor([ids])).logits[0].float()
