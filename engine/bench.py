@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each chunking measurement")
     ap.add_argument("--steps", type=int, default=12, help="iterations measured per decode configuration")
     ap.add_argument("--overhead-decodes", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared 2-core box)"
+    )
     ap.add_argument("--out", default="results/engine-bench", help="folder for JSON and plots")
     args = ap.parse_args(argv)
 

@@ -22,8 +22,8 @@ from stallfree.engine.scheduler import SchedulerOutput
 class RunnerOutput:
     samples: dict[str, SampleResult]  # request id -> sampled token, for requests that sampled
     time_prepare: float  # seconds building tensors and attention metadata
-    time_forward: float  # seconds in the model (attention included)
-    time_sample: float  # seconds in logits + sampling
+    time_forward: float  # seconds in the model: layers, attention and the logits of sampled rows
+    time_sample: float  # seconds choosing tokens from the logits
 
 
 class ModelRunner:
@@ -72,12 +72,14 @@ class ModelRunner:
                 sample_reqs.append(SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens))
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, attend)  # (T, hidden)
-        self._sync()
-        t2 = time.perf_counter()
-        samples: dict[str, SampleResult] = {}
+        logits = None
         if sample_rows:
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # (N, vocab) float32
+        self._sync()
+        t2 = time.perf_counter()
+        samples: dict[str, SampleResult] = {}
+        if logits is not None:
             for req, res in zip(sample_reqs, self.sampler.sample(logits, sample_reqs), strict=True):
                 samples[req.request_id] = res
         t3 = time.perf_counter()

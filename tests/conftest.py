@@ -13,8 +13,10 @@ for p in (_TESTS, _TESTS / "engine"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-# The box has 2 shared cores: keep torch from oversubscribing them.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The box has 2 shared cores and other processes (servers, Prometheus, the API server) run beside the
+# tests: with more than one OpenMP thread, a descheduled thread stalls every barrier and a decode step can
+# take 10x longer. One thread per process is slower in the best case and far steadier.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -24,5 +26,5 @@ def default_model():
 
     from stallfree.engine.model.loader import load_model
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     return load_model(None, dtype=torch.float32)
