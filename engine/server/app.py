@@ -98,13 +98,29 @@ def _validation_to_bad_request(exc: RequestValidationError) -> BadRequest:
         return BadRequest("the body is missing: send a JSON object")
     if not loc:
         return BadRequest("the body must be a JSON object (Content-Type: application/json)")
-    # pydantic lists one error per union member; the first names the field well enough.
-    param = ".".join(loc) or None
+    field = loc[0] if loc else None
+    same_field = [x for x in errors if [str(p) for p in x.get("loc", ()) if p != "body"][:1] == [field]]
+    if len(same_field) > 1 and len(loc) > 1:  # a union: pydantic reports one error per member type
+        kinds = [str(x["loc"][2]) for x in same_field if len(x.get("loc", ())) > 2]
+        got = e.get("input")
+        return BadRequest(
+            f"{field}: expected one of {', '.join(dict.fromkeys(kinds))}, got {got!r}"[:500], param=field
+        )
+    param = _dotted(e.get("loc", ())) or None
     msg = e.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     got = e.get("input")
     detail = f"{param}: {msg}" if param else msg
     if got is not None and e.get("type") != "missing" and not isinstance(got, (dict, list)):
-        detail += f" (got {got!r})"
+        detail += f" (got {got!r})"[:200]
     return BadRequest(detail, param=param)
+
+
+def _dotted(loc) -> str:
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
