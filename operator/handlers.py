@@ -39,11 +39,16 @@ def _invalid_spec_status(body: dict, message: str) -> dict:
     }
 
 
-def _run(reconciler: Reconciler, body: dict, patch: kopf.Patch, logger: Any) -> None:
+def _run(reconciler: Reconciler, body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
+    def record(reason: str, message: str) -> None:
+        logger.info("%s", message)
+        kopf.info(body, reason=reason, message=message)  # a Kubernetes Event on the SarathiDeployment
+
     try:
-        status = reconciler.reconcile(dict(body), logger)
+        status = reconciler.reconcile(dict(body), record)
     except (ValidationError, ValueError) as e:
         patch.status.update(_invalid_spec_status(dict(body), str(e)))
+        kopf.warn(body, reason="InvalidSpec", message=str(e))
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     except ApiException as e:
         # Conflicts, throttling, a webhook or API server hiccup, or missing RBAC: try again shortly.

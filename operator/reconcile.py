@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubernetes.client.exceptions import ApiException
@@ -29,6 +30,8 @@ from stallfree.operator.spec import SarathiSpec, parse_spec
 from stallfree.operator.status import Observed, status_patch
 
 log = logging.getLogger(__name__)
+
+Recorder = Callable[[str, str], None]  # (reason, message): one change made to a child
 
 DEFAULT_ENGINE_IMAGE = "stallfree/engine:0.1.0"
 FAILING_REASONS = {
@@ -87,9 +90,10 @@ class Reconciler:
         )
 
     # ---- writes -------------------------------------------------------------------------------------
-    def apply_children(self, ctx: BuildContext, events: logging.Logger | logging.LoggerAdapter) -> list[str]:
+    def apply_children(self, ctx: BuildContext, record: Recorder) -> list[str]:
         """Create or patch every child; delete the ones the spec no longer wants. Returns what changed
-        ("created Deployment x", ...); each change is also logged to `events` (kopf makes them Events)."""
+        ("created Deployment x", ...) and passes each change to `record(reason, message)` (the kopf
+        handlers turn them into Kubernetes Events on the SarathiDeployment)."""
         changes: list[str] = []
         if ctx.spec.engine.admin_token_secret is None:
             name = admin_secret_name(ctx.owner)
@@ -108,7 +112,7 @@ class Reconciler:
                 changes.append(f"{applied.action} {manifest['kind']} {manifest['metadata']['name']}")
         changes += self._prune(ctx, wanted)
         for change in changes:
-            events.info("%s", change)
+            record(change.split(" ", 1)[0].capitalize(), change)
         return changes
 
     def _prune(self, ctx: BuildContext, wanted: set[tuple[str, str]]) -> list[str]:
@@ -192,10 +196,10 @@ class Reconciler:
         return {"replicas": len(sets), "ready": ready, "updated": updated, "workloads_current": current}
 
     # ---- the whole loop -----------------------------------------------------------------------------
-    def reconcile(self, body: dict, events: logging.Logger | logging.LoggerAdapter) -> dict:
+    def reconcile(self, body: dict, record: Recorder) -> dict:
         """Apply the children of `body` and return the status fields to write (may equal the current)."""
         ctx = self.context(body)
-        self.apply_children(ctx, events)
+        self.apply_children(ctx, record)
         return self.status(ctx, body)
 
     def status(self, ctx: BuildContext, body: dict) -> dict:

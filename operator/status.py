@@ -97,8 +97,8 @@ def phase_of(conditions: list[dict]) -> str:
 
 def status_patch(o: Observed, old_status: dict | None, token_budget: int) -> dict:
     """The status fields the operator owns. Budget-controller fields (trafficClusters, budget decisions,
-    desiredReplicas, SLOMet) are left as they are, except that status.budget.tokenBudget starts at the
-    budget in force."""
+    desiredReplicas, SLOMet) are left as they are, except that status.budget.tokenBudget always shows the
+    budget in force (the controller's once it decided, else spec.budget.initial)."""
     old_status = old_status or {}
     conditions = merge_conditions(old_status.get("conditions"), conditions_for(o))
     patch = {
@@ -110,7 +110,7 @@ def status_patch(o: Observed, old_status: dict | None, token_budget: int) -> dic
         **o.extra,
     }
     budget = dict(old_status.get("budget") or {})
-    if budget.get("tokenBudget") is None:
+    if budget.get("tokenBudget") != token_budget:
         patch["budget"] = {**budget, "tokenBudget": token_budget}
     return patch
 

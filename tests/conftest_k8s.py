@@ -172,7 +172,7 @@ class OperatorProcess:
         self.log_path = Path(tempfile.mkstemp(prefix="stallfree-operator-", suffix=".log")[1])
         env = {**k8s.env, "KUBECONFIG": str(kubeconfig or k8s.kubeconfig), "PYTHONUNBUFFERED": "1"}
         cmd = [
-            sys.executable, "-m", "stallfree.cli", "operator", *args,
+            sys.executable, "-c", "import sys; from stallfree.cli import main; sys.exit(main())", "operator", *args,
             "--resync-seconds", str(resync),
             "--liveness", f"http://127.0.0.1:{self.port}/healthz",
         ]  # fmt: skip

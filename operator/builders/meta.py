@@ -58,8 +58,11 @@ class Tuned:
             knobs = {k: item[k] for k in ("chunkCap", "maxWaiting", "maxRunning") if item.get(k) is not None}
             if knobs and item.get("name"):
                 clusters[item["name"]] = knobs
+        budget = status.get("budget") or {}
         return cls(
-            token_budget=(status.get("budget") or {}).get("tokenBudget"),
+            # The operator mirrors the budget in force into status.budget.tokenBudget; it is the
+            # controller's choice only once the controller has recorded a decision.
+            token_budget=budget.get("tokenBudget") if budget.get("lastDecision") else None,
             replicas=status.get("desiredReplicas"),
             clusters=clusters,
         )

@@ -57,6 +57,7 @@ class Step:
     snapshot: Snapshot | None
     holding: bool
     decision: Decision | None = None
+    slo_met: dict[str, bool] = field(default_factory=dict)  # clusters with samples: every SLO held
 
 
 @dataclass(slots=True)
@@ -114,12 +115,13 @@ class ControlLoop:
             log.warning("%s", self.holding)
             return self._record(Step(now, self.settings, HOLD, self.holding, snap, True, d))
         self.holding = None
+        met = {s.name: m for s in self.specs if (m := _slo_met(s, snap.cluster(s.name))) is not None}
         if d.settings != self.settings:
             self.last_change = now
         self.settings, self.state = d.settings, d.state
         if d.changed:
             log.info("%s: %s", d.action, d.reason)
-        return self._record(Step(now, d.settings, d.action, d.reason, snap, False, d))
+        return self._record(Step(now, d.settings, d.action, d.reason, snap, False, d, met))
 
     def _record(self, step: Step) -> Step:
         self.last = step

@@ -136,7 +136,7 @@ def test_engine_config_copies_traffic_clusters_and_fills_defaults():
 def test_controller_tuning_reaches_config_map_but_does_not_roll_pods():
     spec = load_example("multi-cluster.yaml")["spec"]
     status = {
-        "budget": {"tokenBudget": 1024},
+        "budget": {"tokenBudget": 1024, "lastDecision": "raise"},
         "trafficClusters": [{"name": "chat", "chunkCap": 128, "maxWaiting": 16}],
     }
     plain, tuned = build_children(make_ctx(spec)), build_children(make_ctx(spec, status=status))
@@ -145,8 +145,12 @@ def test_controller_tuning_reaches_config_map_but_does_not_roll_pods():
     assert cfg["trafficClusters"][0]["chunkCap"] == 128 and cfg["trafficClusters"][0]["maxWaiting"] == 16
     assert pod_template_hash(plain) == pod_template_hash(tuned)
     # a tuned budget outside [min, max] is clamped
-    clamped = engine_config(make_ctx(spec, status={"budget": {"tokenBudget": 10**6}}))
+    clamped = engine_config(
+        make_ctx(spec, status={"budget": {"tokenBudget": 10**6, "lastDecision": "raise"}})
+    )
     assert clamped["tokenBudget"] == 2048
+    # the operator's own mirror of the budget (no controller decision yet) is not a tuned value
+    assert engine_config(make_ctx(spec, status={"budget": {"tokenBudget": 64}}))["tokenBudget"] == 512
 
 
 def test_spec_change_rolls_pods():
