@@ -218,12 +218,14 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         deliveries: list[tuple[RequestStream, RequestOutput]] = []
         acks: list[asyncio.Future] = []
+        processed = 0
         with self._lock:
             while True:
                 try:
                     kind, payload = self._inbox.get_nowait()
                 except queue.Empty:
                     break
+                processed += 1
                 if kind == "add":
                     stream, params, priority = payload
                     self._pending[stream.cluster] -= 1
@@ -240,7 +242,12 @@ class AsyncEngine:
                     config, fut = payload
                     self._apply_config(config)
                     acks.append(fut)
+            if not processed:
+                return
             self._snapshot_counts()
+            waiting, running = dict(self._waiting), dict(self._running)
+        # queues and KV usage changed outside an iteration (adds, aborts): report them now
+        self.observer.on_iteration(None, waiting, running, self.engine.block_manager.usage)
         self._deliver(deliveries, acks)
 
     def _add(self, stream: RequestStream, params: SamplingParams, priority: int) -> RequestOutput | None:

@@ -1,0 +1,120 @@
+"""Overload (429 + Retry-After, no accepted request lost), client disconnects (blocks freed), engine
+failures (500 / SSE error event) and a dead engine loop (503)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_helpers import API_KEY, start_server, wait_for
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny(default_model):
+    """A server whose default cluster admits one running and two waiting requests."""
+    s = start_server(
+        default_model, traffic={"trafficClusters": [{"name": "default", "maxWaiting": 2, "maxRunning": 1}]}
+    )
+    yield s
+    s.stop()
+
+
+def test_overload_gets_429_with_retry_after_and_loses_nothing(tiny):
+    body = {"prompt": "Count slowly:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda _: _post(tiny.url, body), range(12)))
+    ok = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(rejected) == 12, [r.status_code for r in responses]
+    assert ok and rejected
+    for r in rejected:
+        assert int(r.headers["Retry-After"]) >= 1
+        assert "maxWaiting" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    assert all(r.json()["usage"]["completion_tokens"] == 6 for r in ok), "an accepted request lost tokens"
+    assert tiny.metric("stallfree_rejections_total", traffic_cluster="default", reason="queue_full") == len(rejected)
+    assert tiny.metric("stallfree_requests_total", traffic_cluster="default", outcome="length") == len(ok)
+    assert tiny.metric("stallfree_requests_total", traffic_cluster="default", outcome="rejected") == len(rejected)
+    assert tiny.metric("stallfree_max_waiting", traffic_cluster="default") == 2
+    # once the queue drains, requests are admitted again
+    assert _post(tiny.url, body).status_code == 200
+
+
+def _idle(server) -> bool:
+    return (
+        server.metric("stallfree_kv_cache_usage_ratio") == 0.0
+        and server.engine.block_manager.num_free_blocks == server.engine.block_manager.num_blocks
+        and not server.engine.has_unfinished_requests()
+    )
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server):
+    aborted = server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break
+    assert wait_for(lambda: server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+                    == aborted + 1)  # fmt: skip
+    assert wait_for(lambda: _idle(server)), "the aborted request's KV blocks were not freed"
+
+
+def test_non_streaming_disconnect_aborts_too(server):
+    aborted = server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server.url, {"prompt": "Write an essay.", "max_tokens": 400, "ignore_eos": True}, timeout=1.5)
+    assert wait_for(lambda: server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+                    == aborted + 1)  # fmt: skip
+    assert wait_for(lambda: _idle(server))
+
+
+@pytest.fixture
+def fresh(default_model):
+    s = start_server(default_model)
+    yield s
+    s.stop()
+
+
+def test_forward_failure_becomes_500_and_an_sse_error_event(fresh, monkeypatch):
+    runner = fresh.engine.runner
+
+    def broken(*a, **kw):
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(runner, "execute", broken)
+    r = _post(fresh.url, {"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    r = httpx.post(f"{fresh.url}/v1/chat/completions", headers=AUTH, json=body, timeout=60)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "simulated device fault" in json.loads(events[-2])["error"]["message"]
+    assert fresh.metric("stallfree_requests_total", traffic_cluster="default", outcome="error") == 2
+    monkeypatch.undo()
+    assert _post(fresh.url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200, "the server should recover"
+
+
+def test_dead_engine_loop_fails_requests_and_turns_unready(fresh, monkeypatch):
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(fresh.engine.scheduler, "schedule", broken)
+    r = _post(fresh.url, {"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 500 and "scheduler bug" in r.json()["error"]["message"]
+    assert httpx.get(f"{fresh.url}/ready").status_code == 503
+    assert httpx.get(f"{fresh.url}/health").status_code == 503
+    r = _post(fresh.url, {"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 503 and "engine loop stopped" in r.json()["error"]["message"]
