@@ -112,10 +112,12 @@ def bpe_vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def make_tiny_hf_model(arch: str = "llama", tie: bool = False, seed: int = 0, vocab_size: int = 320) -> Any:
+def make_tiny_hf_model(
+    arch: str = "llama", tie: bool = False, seed: int = 0, vocab_size: int = 320, **config_kw: Any
+) -> Any:
     """A random 2-layer transformers model (hidden 64, 4 heads, 2 KV heads) with non-trivial weights.
 
-    arch: "llama", "mistral" or "qwen2" (q/k/v biases). Every weight is redrawn, biases included, so a
+    arch: "llama", "mistral" or "qwen2" (q/k/v biases); config_kw go to the transformers config. Every weight is redrawn, biases included, so a
     mis-mapped or mis-permuted tensor shows up in the logits.
     """
     import transformers
@@ -138,6 +140,7 @@ def make_tiny_hf_model(arch: str = "llama", tie: bool = False, seed: int = 0, vo
         tie_word_embeddings=tie,
         bos_token_id=1,
         eos_token_id=2,
+        **config_kw,
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()

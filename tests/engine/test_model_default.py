@@ -58,13 +58,33 @@ def hf_tokenizer(gguf_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file="model.gguf")
 
 
-@pytest.mark.slow
-def test_logits_match_transformers_gguf(default_model, gguf_dir: Path) -> None:
+def _transformers_gguf_model(gguf_dir: Path):
+    """The reference: transformers' own GGUF reading, dequantization and Q/K un-permutation, in fp32.
+
+    from_pretrained(gguf_file=...) needs the accelerate package; without it, build the model from the
+    GGUF-derived config and load the tensors transformers dequantizes (the same code path underneath).
+    """
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = transformers.AutoConfig.from_pretrained(gguf_dir, gguf_file="model.gguf")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(gguf_dir / "model.gguf", return_tensors=True, model_to_load=model)
+        model.load_state_dict(tensors["tensors"], strict=False)
+        model.tie_weights()
+        return model.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file="model.gguf", dtype=torch.float32
     ).eval()
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_gguf(default_model, gguf_dir: Path) -> None:
+    ref_model = _transformers_gguf_model(gguf_dir)
+    assert ref_model.lm_head.weight.data_ptr() == ref_model.model.embed_tokens.weight.data_ptr()  # tied
     for prompt in PROMPTS:
         ids = default_model.tokenizer.encode(prompt)
         ours = prefill_logits(default_model.model, ids)

@@ -135,3 +135,29 @@ def test_config_variants() -> None:
     )
     assert mistral.max_position_embeddings == 4096  # full-causal attention is exact only inside the window
     assert json.loads(json.dumps(BASE)) == BASE  # BASE was not mutated
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path: Path, tiny_tokenizer) -> None:
+    """Llama 3.1 frequency scaling: logits match transformers (max |diff| < 1e-4); without it they don't."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    hf = make_tiny_hf_model("llama", rope_parameters=rope)
+    folder = save_hf_folder(tmp_path, hf, tiny_tokenizer)
+    loaded = load_model(folder)
+    assert loaded.config.rope_scaling is not None and loaded.config.rope_scaling.factor == 4.0
+    ids = tiny_tokenizer.encode(TEXT).ids
+    ref = hf_logits(hf, ids)
+    assert (prefill_logits(loaded.model, ids) - ref).abs().max().item() < 1e-4
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    unscaled = load_model(folder)
+    assert unscaled.config.rope_scaling is None
+    assert (prefill_logits(unscaled.model, ids) - ref).abs().max().item() > 1e-2
