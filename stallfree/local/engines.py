@@ -1,0 +1,183 @@
+"""Engine replicas as local `stallfree serve` processes: start, watch, restart, scale, stop.
+
+Each replica gets a free port on 127.0.0.1, the run's admin token, and the engine config file (the same
+document the operator writes to the ConfigMap key engine.yaml). The controller rewrites that file whenever
+it changes settings, so a replica that crashes and restarts comes back tuned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from stallfree.operator.builders.config import engine_config
+from stallfree.operator.builders.meta import BuildContext, Owner, Tuned
+from stallfree.operator.controller.types import Settings
+from stallfree.operator.spec import SarathiSpec
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_engine_config(
+    path: Path, name: str, raw_spec: dict, spec: SarathiSpec, settings: Settings | None
+) -> None:
+    """engine.yaml for the replicas: the spec's clusters with the controller's settings on top."""
+    tuned = Tuned()
+    if settings is not None:
+        tuned = Tuned(
+            token_budget=settings.token_budget,
+            replicas=settings.replicas,
+            clusters={n: k.as_engine() for n, k in settings.clusters.items()},
+        )
+    ctx = BuildContext(Owner(name, "local", "local"), spec, raw_spec, engine_image="", tuned=tuned)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(engine_config(ctx), sort_keys=False))
+    tmp.replace(path)
+
+
+@dataclass
+class Replica:
+    index: int
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    restarts: int = 0
+    started_at: float = 0.0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class EngineFleet:
+    """The local engine replicas of one SarathiDeployment."""
+
+    name: str
+    spec: SarathiSpec
+    run_dir: Path
+    config_path: Path
+    admin_token: str
+    stats_window_s: float
+    replicas: list[Replica] = field(default_factory=list)
+    on_restart: list = field(default_factory=list)  # callbacks(replica) after a replica came back
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def command(self, port: int) -> list[str]:
+        s = self.spec
+        cmd = [sys.executable, "-m", "stallfree", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--policy", s.engine.policy, "--max-num-seqs", str(s.engine.max_num_seqs)]
+        cmd += ["--block-size", str(s.engine.block_size), "--dtype", s.model.dtype]
+        cmd += ["--traffic-clusters", str(self.config_path), "--admin-token", self.admin_token]
+        cmd += ["--stats-window", str(self.stats_window_s), "--log-level", "warning"]
+        if s.model.max_model_len:
+            cmd += ["--max-model-len", str(s.model.max_model_len)]
+        if s.model.source.type == "HostPath" and s.model.source.path:
+            cmd += ["--model", s.model.source.path]
+        return cmd
+
+    def _spawn(self, r: Replica) -> None:
+        log_file = open(r.log_path, "ab")  # noqa: SIM115 - owned by the child
+        threads = max(1, (os.cpu_count() or 2) // max(1, self.spec.replicas.max))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+        r.proc = subprocess.Popen(
+            self.command(r.port), stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log_file.close()
+        r.ready = False
+        r.started_at = time.monotonic()
+
+    def scale_to(self, n: int) -> None:
+        with self._lock:
+            while len(self.replicas) < n:
+                i = len(self.replicas)
+                r = Replica(index=i, port=free_port(), log_path=self.run_dir / f"replica-{i}.log")
+                self.replicas.append(r)
+                self._spawn(r)
+                log.info("started replica %d on port %d", i, r.port)
+            while len(self.replicas) > n:
+                r = self.replicas.pop()
+                _terminate(r)
+                log.info("stopped replica %d", r.index)
+
+    def check(self) -> None:
+        """Mark replicas ready; restart the ones that died (they read the tuned engine config)."""
+        for r in list(self.replicas):
+            if not r.alive():
+                code = r.proc.returncode if r.proc else None
+                log.warning("replica %d exited (%s); restarting it, log: %s", r.index, code, r.log_path)
+                r.restarts += 1
+                self._spawn(r)
+                continue
+            if not r.ready:
+                try:
+                    r.ready = httpx.get(f"{r.base}/ready", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    r.ready = False
+                if r.ready and r.restarts:
+                    for cb in self.on_restart:
+                        cb(r)
+
+    def endpoints(self) -> list[str]:
+        return [r.base for r in self.replicas if r.ready and r.alive()]
+
+    def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not (stop and stop.is_set()):
+            self.check()
+            if self.replicas and all(r.ready for r in self.replicas):
+                return True
+            for r in self.replicas:
+                if r.restarts > 2:
+                    raise RuntimeError(
+                        f"replica {r.index} keeps exiting; see {r.log_path}:\n{_tail(r.log_path)}"
+                    )
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        with self._lock:
+            for r in self.replicas:
+                if r.alive():
+                    r.proc.send_signal(signal.SIGTERM)  # all at once: they drain in parallel
+            for r in self.replicas:
+                _terminate(r)
+
+
+def _terminate(r: Replica, grace_s: float = 15.0) -> None:
+    if r.proc is None or r.proc.poll() is not None:
+        return
+    r.proc.terminate()
+    try:
+        r.proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        r.proc.kill()
+        r.proc.wait()
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""

@@ -1,0 +1,126 @@
+"""One OpenAI endpoint in front of the local engine replicas.
+
+/v1/* goes to the replica with the fewest requests in flight through this proxy (ties: the first), streamed
+through unchanged (SSE included); a replica that refuses the connection is skipped before any byte is sent.
+Also: /health, /ready, /metrics (the controller's decisions) and GET /admin/v1/status (the status document,
+bearer token only when one is configured or the proxy binds beyond loopback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import Callable
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+
+
+class Router:
+    """Least-loaded choice among the replicas that are ready now."""
+
+    def __init__(self, endpoints: Callable[[], list[str]]) -> None:
+        self.endpoints = endpoints
+        self.in_flight: dict[str, int] = {}
+
+    def order(self) -> list[str]:
+        eps = self.endpoints()
+        return sorted(eps, key=lambda b: (self.in_flight.get(b, 0), eps.index(b)))
+
+
+def build_app(
+    endpoints: Callable[[], list[str]],
+    status: Callable[[], dict],
+    metrics: Callable[[], tuple[bytes, str]],
+    admin_token: str | None,
+) -> Starlette:
+    router = Router(endpoints)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=512)
+    )
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        for base in router.order():
+            url = f"{base}{request.url.path}"
+            req = client.build_request(
+                request.method, url, params=request.query_params, headers=headers, content=body
+            )
+            try:
+                resp = await client.send(req, stream=True)
+            except httpx.ConnectError as e:
+                log.warning("replica %s refused the connection (%s); trying the next", base, e)
+                continue
+            router.in_flight[base] = router.in_flight.get(base, 0) + 1
+
+            async def done(resp: httpx.Response = resp, base: str = base) -> None:
+                router.in_flight[base] -= 1
+                await resp.aclose()
+
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
+            return StreamingResponse(
+                resp.aiter_raw(),
+                status_code=resp.status_code,
+                headers=out_headers,
+                background=BackgroundTask(done),
+            )
+        return _error(503, "no engine replica is ready yet; retry shortly", "service_unavailable")
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(_: Request) -> Response:
+        n = len(endpoints())
+        return JSONResponse({"ready": n > 0, "replicas": n}, 200 if n else 503)
+
+    async def admin_status(request: Request) -> Response:
+        if admin_token:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
+                return _error(
+                    401, "the admin API needs `Authorization: Bearer <admin token>`", "authentication_error"
+                )
+        return JSONResponse(status())
+
+    async def prom(_: Request) -> Response:
+        body, content_type = metrics()
+        return Response(body, media_type=content_type)
+
+    routes = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", prom),
+        Route("/admin/v1/status", admin_status),
+        Route("/v1/{path:path}", forward, methods=["GET", "POST", "DELETE"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette):
+        yield
+        await client.aclose()
+
+    return Starlette(routes=routes, lifespan=lifespan)

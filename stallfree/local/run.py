@@ -1,0 +1,210 @@
+"""Wiring of one local-mode run: engines, controller thread, proxy server, live view, shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import secrets
+import sys
+import tempfile
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from stallfree.local.config import LocalDeployment
+from stallfree.local.engines import EngineFleet, write_engine_config
+from stallfree.operator.controller.config import loop_inputs
+from stallfree.operator.controller.cost_model import load_cost_model
+from stallfree.operator.controller.direct import AdminApplier, StatsSource, read_settings
+from stallfree.operator.controller.loop import ControlLoop
+from stallfree.operator.controller.metrics import ControllerMetrics
+from stallfree.operator.controller.types import Settings
+
+log = logging.getLogger("stallfree.local")
+
+
+class LocalRun:
+    def __init__(self, dep: LocalDeployment, args: argparse.Namespace, admin_token: str | None) -> None:
+        self.dep = dep
+        self.args = args
+        self.admin_token = admin_token
+        self.stop = threading.Event()
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"stallfree-{dep.name}-"))
+        spec = dep.spec
+        self.inputs = inp = loop_inputs(spec, **self._cooldowns(spec))
+        self.engine_token = secrets.token_urlsafe(24)
+        self.fleet = EngineFleet(
+            name=dep.name,
+            spec=spec,
+            run_dir=self.run_dir,
+            config_path=self.run_dir / "engine.yaml",
+            admin_token=self.engine_token,
+            stats_window_s=inp.window_s,
+        )
+        self.applier = AdminApplier(self.fleet.endpoints, self.engine_token)
+        self.fleet.on_restart.append(lambda r: self.applier.forget(r.base))
+        if args.prometheus:
+            from stallfree.operator.controller.prometheus import PrometheusSource
+
+            source = PrometheusSource(
+                args.prometheus, self._selector(), max_age_s=max(30.0, 3 * inp.interval_s)
+            )
+        else:
+            source = StatsSource(self.fleet.endpoints, self.engine_token)
+        self.source = source
+        self.loop = ControlLoop.start(
+            inp.specs,
+            inp.config,
+            inp.initial_budget,
+            inp.initial_replicas,
+            source=source,
+            apply=self._apply,
+            window_s=inp.window_s,
+            min_window_s=min(inp.window_s, max(5.0, 2 * inp.interval_s)),
+            model=load_cost_model(args.cost_model),
+        )
+        self.metrics = ControllerMetrics()
+        self.loop.observers.append(self.metrics.observe)
+        write_engine_config(self.fleet.config_path, dep.name, dep.doc["spec"], spec, self.loop.settings)
+
+    @staticmethod
+    def _cooldowns(spec) -> dict:
+        """The engines' stats window is fixed (unlike a Prometheus range): wait until it has turned over
+        after a change before judging it, so one bad window does not shrink the budget twice."""
+        turns = max(1, math.ceil(spec.controller.window_seconds / spec.controller.interval_seconds))
+        return {"shrink_cooldown": turns, "grow_cooldown": turns + 1}
+
+    def _selector(self) -> str:
+        ports = "|".join(str(r.port) for r in self.fleet.replicas) or "0"
+        return f'instance=~"127.0.0.1:({ports})"'
+
+    def _apply(self, settings: Settings) -> None:
+        if settings.replicas != len(self.fleet.replicas):
+            self.fleet.scale_to(settings.replicas)
+            self.write_targets()
+        write_engine_config(
+            self.fleet.config_path, self.dep.name, self.dep.doc["spec"], self.dep.spec, settings
+        )
+        self.applier(settings)
+
+    def status(self) -> dict:
+        doc = (
+            self.loop.status()
+            if self.loop.last
+            else {"budget": {"tokenBudget": self.loop.settings.token_budget}}
+        )
+        doc["endpoint"] = self.endpoint
+        doc["replicas"] = len(self.fleet.replicas)
+        doc["readyReplicas"] = len(self.fleet.endpoints())
+        doc["phase"] = "Ready" if doc["readyReplicas"] else "Progressing"
+        doc["engines"] = [
+            {
+                "index": r.index,
+                "url": r.base,
+                "ready": r.ready,
+                "restarts": r.restarts,
+                "log": str(r.log_path),
+            }
+            for r in self.fleet.replicas
+        ]
+        return doc
+
+    @property
+    def endpoint(self) -> str:
+        host = self.args.host if self.args.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{self.args.port}/v1"
+
+    # ---- the controller thread ----------------------------------------------------------------------
+    def _control(self) -> None:
+        inp = self.inputs
+        if not self.fleet.wait_ready(self.args.ready_timeout, self.stop):
+            if not self.stop.is_set():
+                log.error("engines not ready after %ss; logs in %s", self.args.ready_timeout, self.run_dir)
+            return
+        log.info("engines ready: %s", ", ".join(self.fleet.endpoints()))
+        try:  # adopt what the engines run (the tuned engine.yaml), never jump back to the spec
+            found = read_settings(self.fleet.endpoints()[0], self.engine_token, len(self.fleet.replicas))
+            self.loop.adopt(
+                replace(found, clusters={n: k for n, k in found.clusters.items() if n in self._names()})
+            )
+        except Exception as e:  # noqa: BLE001 - adopting is best effort; the spec settings stand
+            log.debug("could not read engine settings: %s", e)
+        while not self.stop.wait(inp.interval_s):
+            try:
+                self.fleet.check()
+                if hasattr(self.source, "selector"):
+                    self.source.selector = self._selector()
+                if self.args.no_controller:
+                    continue
+                self.loop.step()
+            except Exception:  # noqa: BLE001 - the loop must survive one bad interval
+                log.exception("controller step failed")
+
+    def _names(self) -> set[str]:
+        return {s.name for s in self.inputs.specs}
+
+    # ---- serving ------------------------------------------------------------------------------------
+    def serve(self) -> int:
+        import uvicorn
+
+        from stallfree.local.proxy import build_app
+
+        app = build_app(self.fleet.endpoints, self.status, self.metrics.render, self.admin_token)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level="warning", lifespan="on")
+        )
+        print(
+            f"stallfree up: {self.dep.name} ({self.dep.spec.model.name}), "
+            f"{self.inputs.initial_replicas} replica(s) starting; logs in {self.run_dir}\n"
+            f"  OpenAI endpoint  {self.endpoint}\n"
+            f"  status           {self.endpoint[:-3]}/admin/v1/status\n"
+            f"  metrics          {self.endpoint[:-3]}/metrics",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.args.prometheus:
+            print(
+                f"  Prometheus must scrape the engines: file_sd targets in {self.run_dir / 'targets.json'}",
+                file=sys.stderr,
+            )
+        self.fleet.scale_to(self.inputs.initial_replicas)
+        self.write_targets()
+        controller = threading.Thread(target=self._control, name="controller", daemon=True)
+        controller.start()
+        view = None
+        if not self.args.no_view and sys.stdout.isatty():
+            view = self._start_view()
+        try:
+            asyncio.run(server.serve())
+        finally:
+            self.stop.set()
+            if view is not None:
+                view.stop()
+            print("stallfree up: stopping engines...", file=sys.stderr, flush=True)
+            self.fleet.stop()
+            controller.join(timeout=10)
+        return 0
+
+    def _start_view(self):
+        from rich.live import Live
+
+        from stallfree.local.view import render
+
+        def renderable():
+            return render(self.loop, self.endpoint, self.fleet.endpoints(), f"stallfree up · {self.dep.name}")
+
+        live = Live(
+            get_renderable=renderable, refresh_per_second=1, redirect_stderr=True, redirect_stdout=True
+        )
+        live.start()
+        return live
+
+    def write_targets(self) -> None:
+        import json
+
+        targets = [f"127.0.0.1:{r.port}" for r in self.fleet.replicas]
+        tmp = self.run_dir / "targets.tmp"
+        tmp.write_text(json.dumps([{"targets": targets, "labels": {"job": "stallfree"}}]))
+        tmp.replace(self.run_dir / "targets.json")
