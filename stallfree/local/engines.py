@@ -102,7 +102,12 @@ class EngineFleet:
         threads = max(1, (os.cpu_count() or 2) // max(1, self.spec.replicas.max))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
         r.proc = subprocess.Popen(
-            self.command(r.port), stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.command(r.port),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us only; we stop the engines in order
+            preexec_fn=_die_with_parent,
         )
         log_file.close()
         r.ready = False
@@ -163,6 +168,16 @@ class EngineFleet:
                     r.proc.send_signal(signal.SIGTERM)  # all at once: they drain in parallel
             for r in self.replicas:
                 _terminate(r)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when local mode dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def _terminate(r: Replica, grace_s: float = 15.0) -> None:

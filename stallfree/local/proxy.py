@@ -118,6 +118,7 @@ def build_app(
         Route("/admin/v1/status", admin_status),
         Route("/v1/{path:path}", forward, methods=["GET", "POST", "DELETE"]),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette):
         yield

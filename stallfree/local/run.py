@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import secrets
+import signal
 import sys
 import tempfile
 import threading
@@ -176,8 +177,13 @@ class LocalRun:
         view = None
         if not self.args.no_view and sys.stdout.isatty():
             view = self._start_view()
+        # uvicorn re-raises the signal that stopped it once it is done; a handler of ours (instead of the
+        # default, which would end the process on the spot) lets the engines be stopped below.
+        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
         try:
             asyncio.run(server.serve())
+        except KeyboardInterrupt:
+            pass
         finally:
             self.stop.set()
             if view is not None:
