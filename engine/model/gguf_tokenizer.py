@@ -1,9 +1,9 @@
 """Build a `Tokenizer` from the `tokenizer.*` metadata of a GGUF file.
 
-GGUF stores the vocabulary (`tokenizer.ggml.tokens`, `token_type`, `merges`, special ids) and the name of
-the pre-tokenizer llama.cpp should use (`tokenizer.ggml.pre`), not a tokenizer.json. We rebuild the
-equivalent `tokenizers` pipeline: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizer
-split rules of the named model family.
+GGUF stores the vocabulary (`tokenizer.ggml.tokens`, `token_type`, `merges` or `scores`, special ids) and
+the name of the pre-tokenizer llama.cpp should use (`tokenizer.ggml.pre`), not a tokenizer.json. We rebuild
+the equivalent `tokenizers` pipeline: byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the split
+rules of the named model family, or SentencePiece BPE with byte fallback (`"llama"`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from stallfree.engine.model.tokenizer import Tokenizer
@@ -72,38 +72,42 @@ def _get(metadata: Mapping[str, Any], key: str) -> Any:
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
     """Build the model's tokenizer from GGUF metadata (a key -> value mapping of `tokenizer.*` fields).
 
-    Supports byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Llama 3, Qwen2 vocabularies).
-    Raises ValueError for other tokenizer models (SentencePiece "llama", "t5", ...): load such a model
-    from its Hugging Face folder instead, whose tokenizer.json describes it fully.
+    Supports byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Llama 3, Qwen2 vocabularies)
+    and SentencePiece BPE with byte fallback (`"llama"`: Llama 2, Mistral, TinyLlama). Raises ValueError
+    for other tokenizer models (unigram "t5", WordPiece, ...): load such a model from its Hugging Face
+    folder instead, whose tokenizer.json describes it fully.
     """
     kind = _get(metadata, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "load this model from a Hugging Face folder with a tokenizer.json instead"
-        )
     tokens: list[str] = list(_get(metadata, "tokenizer.ggml.tokens"))
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in _get(metadata, "tokenizer.ggml.merges")]
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|eot_id|>, ...) are matched whole before BPE and skipped when decoding
-    # with skip_special_tokens; user-defined ones are matched whole but kept.
+    if kind == "gpt2":
+        tok = _byte_level_bpe(metadata, tokens)
+        add_bos_default = False
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(metadata, tokens, token_types)
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+    else:
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE and 'llama' "
+            "SentencePiece BPE); load this model from a Hugging Face folder with a tokenizer.json instead"
+        )
+    # Control tokens (<|im_start|>, <s>, ...) are matched whole before BPE and skipped when decoding with
+    # skip_special_tokens; user-defined ones are matched whole but kept.
     pairs = list(zip(tokens, token_types, strict=True))
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, tt in pairs if tt == TOKEN_CONTROL]
-    )
+    special = [t for t, tt in pairs if tt in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, normalized=False) for t, tt in pairs if tt == TOKEN_USER_DEFINED])
 
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
-    if metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_text = tokens[bos]
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        head = f"{tokens[bos]} " if add_bos else ""
+        tail = f" {tokens[eos]}" if add_eos else ""
+        ids = ([(tokens[bos], bos)] if add_bos else []) + ([(tokens[eos], eos)] if add_eos else [])
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos_text} $A", pair=f"{bos_text} $A {bos_text} $B", special_tokens=[(bos_text, bos)]
+            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}", special_tokens=ids
         )
     extra_stops = [
         metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata
@@ -115,3 +119,59 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
         chat_template=metadata.get("tokenizer.chat_template"),
         extra_stop_token_ids=extra_stops,
     )
+
+
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str]) -> HFTokenizer:
+    """GPT-2-style BPE over bytes mapped to printable characters, with the named pre-tokenizer."""
+    merges = [tuple(m.split(" ", 1)) for m in _get(metadata, "tokenizer.ggml.merges")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+SPACE = "\u2581"  # "▁": SentencePiece's visible stand-in for a space
+
+
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], token_types: list[int]) -> HFTokenizer:
+    """SentencePiece BPE as llama.cpp runs it, expressed as a `tokenizers` BPE with byte fallback.
+
+    llama.cpp starts from single characters and repeatedly merges the adjacent pair whose concatenation
+    is the highest-scoring vocabulary piece; characters outside the vocabulary become <0xXX> byte tokens.
+    Ranked BPE merges do the same when every way of building a piece from two pieces is ranked by the
+    built piece's score (ties: leftmost first in both). Spaces become "▁", and with add_space_prefix
+    every text fragment (the first, and each after a special token) gets a leading "▁".
+    """
+    scores: list[float] = list(_get(metadata, "tokenizer.ggml.scores"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = {t for t, tt in zip(tokens, token_types, strict=True) if tt == TOKEN_NORMAL}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece in normal:
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[vocab[piece]], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for *_, left, right in ranked],
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(SPACE)] if add_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            *([decoders.Strip(" ", 1, 0)] if add_prefix else []),
+        ]
+    )
+    return tok
