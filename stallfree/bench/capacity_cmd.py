@@ -1,0 +1,198 @@
+"""`stallfree bench capacity`: the paper's capacity comparison, one engine per policy, side by side.
+
+For each policy a `stallfree serve` is started (same model, budget, KV cache, trace, seed), warmed up, and
+searched: capacity = the largest QPS whose run has P99 TBT <= SLO and P50 scheduling delay <= 2 s with every
+request served. Expand then bisect to --tolerance. Every --slo-tbt is searched from the SAME runs (relaxed
+first). `--peer-url` adds an external OpenAI-compatible server as a column (its scheduling delay is not
+reported, so its P50 TTFT stands in: stricter for it). With --cost-model the simulator's capacity for the
+same configuration is reported beside the measured one.
+
+Output (--out): capacity.json (every run's summary, every search), capacity.png, one server log per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from stallfree.bench.capacity import CapacitySearch
+from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.metrics import SLO, meets_capacity_slo
+from stallfree.bench.report import pyplot, table, write_json
+from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.traces import Trace, make_workload
+
+
+def warm_up(url: str, trace: Trace, args) -> None:
+    """A few requests so first-call costs (allocator, kernels) do not land in the first measured run."""
+    wl = make_workload(
+        trace, 4, qps=2.0, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed + 999
+    )
+    bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
+
+
+def search_target(name: str, url: str, trace: Trace, args, slos: list[float], slo: SLO, log) -> dict:
+    """Capacity search against one server, for every TBT SLO, from one shared set of runs."""
+
+    def evaluate(qps: float) -> dict:
+        wl = make_workload(
+            trace,
+            args.num_requests,
+            qps=qps,
+            scale=args.scale,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        )
+        t0 = time.time()
+        s, _ = bench_once(url, wl, slo, model=args.model_name, desc=f"{name} @ {qps:.3g} qps")
+        s["wall_s"] = time.time() - t0
+        log(
+            f"  {name} @ {qps:.3g} QPS: P99 TBT {s['tbt_s']['p99']}, P50 sched {s['scheduling_delay_s']['p50']}, "
+            f"P50 TTFT {s['ttft_s']['p50']}, ok {s['outcomes']['ok']}/{s['num_requests']} ({s['wall_s']:.0f} s)"
+        )
+        return s
+
+    search = CapacitySearch(
+        evaluate, start_qps=args.start_qps, tolerance=args.tolerance, max_runs=args.max_runs
+    )
+    out = {}
+    for tbt in sorted(slos, reverse=True):
+        r = search.search(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
+        out[str(tbt)] = r.to_json()
+        log(f"  {name}: capacity at P99 TBT <= {tbt * 1e3:.0f} ms: {r.capacity_qps:.3g} QPS {r.note}")
+    return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
+
+
+def simulated(policy: str, trace: Trace, args, slos: list[float], slo: SLO) -> dict | None:
+    if not args.cost_model:
+        return None
+    from stallfree.bench.costmodel import CostModel
+    from stallfree.bench.simulate import simulate_capacity
+    from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig
+
+    cfg = SimConfig(
+        policy=policy,
+        token_budget=args.token_budget,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks or DEFAULT_KV_BLOCKS,
+        max_model_len=args.max_model_len,
+        chunk_align=args.chunk_align,
+        overhead_s=args.overhead_ms / 1e3,
+    )
+    return simulate_capacity(trace, args, CostModel.load(args.cost_model), cfg, slos, slo)
+
+
+def _plot(results: dict, slos: list[float], out: Path) -> Path:
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = list(results)
+    width = 0.8 / len(slos)
+    for k, t in enumerate(slos):
+        vals = [results[n]["measured"]["by_tbt_slo"][str(t)]["capacity_qps"] for n in names]
+        a1.bar([i + k * width for i in range(len(names))], vals, width, label=f"P99 TBT <= {t * 1e3:.0f} ms")
+    a1.set_xticks([i + width * (len(slos) - 1) / 2 for i in range(len(names))], names)
+    a1.set_ylabel("capacity, QPS")
+    a1.set_title("Capacity under SLO (measured)")
+    a1.legend(fontsize=8)
+    for n in names:
+        runs = sorted((float(q), s) for q, s in results[n]["measured"]["runs"].items())
+        a2.plot(
+            [q for q, _ in runs],
+            [(s["tbt_s"]["p99"] or float("nan")) * 1e3 for _, s in runs],
+            marker="o",
+            label=n,
+        )
+    for t in slos:
+        a2.axhline(t * 1e3, color="grey", ls="--", lw=0.8)
+    a2.set_xlabel("QPS")
+    a2.set_ylabel("P99 TBT, ms")
+    a2.set_yscale("log")
+    a2.set_title("P99 TBT of every run")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "capacity.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo: SLO) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_lines: list[str] = []
+
+    def log(msg: str) -> None:
+        log_lines.append(msg)
+        print(msg, file=sys.stderr, flush=True)
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    results: dict[str, dict] = {}
+    t_start = time.time()
+    for policy in policies:
+        spec = ServerSpec(
+            policy=policy,
+            token_budget=args.token_budget,
+            max_num_seqs=args.max_num_seqs,
+            num_kv_blocks=args.num_kv_blocks,
+            chunk_align=args.chunk_align,
+            model=args.model,
+            threads=args.threads,
+        )
+        log(f"{policy}: starting stallfree serve (budget {args.token_budget}, {args.threads} thread(s))")
+        with ServerProcess(spec, out / f"server-{policy}.log") as server:
+            warm_up(server.url, trace, args)
+            results[policy] = {
+                "measured": search_target(policy, server.url, trace, args, slos, slo, log),
+                "server": spec.command(0),
+            }
+        results[policy]["simulated"] = simulated(policy, trace, args, slos, slo)
+    if args.peer_url:
+        log(f"peer {args.peer_url}")
+        results["peer"] = {
+            "measured": search_target("peer", args.peer_url, trace, args, slos, slo, log),
+            "url": args.peer_url,
+        }
+    wall = time.time() - t_start
+    wl = make_workload(
+        trace, args.num_requests, qps=1.0, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed
+    ).describe()
+    path = write_json(
+        out,
+        "capacity.json",
+        {"args": vars(args), "workload": wl, "wall_s": wall, "results": results, "log": log_lines},
+    )
+    png = _plot(results, slos, out)
+    rows = []
+    for name, r in results.items():
+        row = [name]
+        for t in slos:
+            cap = r["measured"]["by_tbt_slo"][str(t)]["capacity_qps"]
+            base = (
+                results.get("vllm", {})
+                .get("measured", {})
+                .get("by_tbt_slo", {})
+                .get(str(t), {})
+                .get("capacity_qps")
+            )
+            ratio = f" ({cap / base:.1f}x vllm)" if base and name != "vllm" else ""
+            sim = r.get("simulated")
+            simv = f" [sim {sim['by_tbt_slo'][str(t)]['capacity_qps']:.3g}]" if sim else ""
+            row.append(f"{cap:.3g}{ratio}{simv}")
+        row.append(str(len(r["measured"]["runs"])))
+        rows.append(row)
+    print(
+        table(
+            ["server", *[f"capacity @ P99 TBT <= {t * 1e3:.0f} ms" for t in slos], "runs"],
+            rows,
+            title=(
+                f"capacity (QPS) on {wl['trace']} x{args.scale:g} (median prompt {wl['prompt_tokens_median']:.0f}, output "
+                f"{wl['output_tokens_median']:.0f}; {wl['num_clipped']} of {wl['num_requests']} clipped to "
+                f"{args.max_model_len}), {args.num_requests} requests per run, seed {args.seed}, P50 scheduling delay <= "
+                f"{args.slo_delay:g} s, budget {args.token_budget}; {wall / 60:.1f} min"
+            ),
+        )
+    )
+    print(f"saved {path} and {png}")
+    return 0

@@ -1,0 +1,151 @@
+"""`stallfree bench {serve,capacity,sweep}`: load generation against real servers.
+
+  serve     replay a trace against a running OpenAI-compatible server (open loop, Poisson, seeded)
+  capacity  start one `stallfree serve` per policy and search each one's capacity under TBT SLOs
+  sweep     fixed-load runs over policies and token budgets (ablation, budget sweep, simulator accuracy)
+
+Trace lengths are multiplied by --scale and clipped to --max-model-len; every report says how many were
+clipped. Traces are read from <repo>/../shared/data/traces (or $STALLFREE_TRACES).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from stallfree.bench import capacity_cmd, sweep_cmd
+from stallfree.bench.metrics import SLO
+from stallfree.bench.simulate import add_workload_args, tbt_slos
+from stallfree.bench.simulator import POLICY_NAMES
+from stallfree.bench.traces import load_trace, make_workload
+
+SERVE_EXAMPLE = """\
+example (CPU, SmolLM2-135M, summarization trace at 1/8 length):
+  stallfree serve --port 8000 &
+  stallfree bench serve --url http://127.0.0.1:8000 --trace arxiv --scale 0.125 --qps 1 \\
+      --num-requests 50 --slo-ttft 10 --slo-tbt 0.5 --out results/bench-serve
+"""
+CAPACITY_EXAMPLE = """\
+example:
+  stallfree bench capacity --policies sarathi,vllm,orca --trace arxiv --scale 0.125 --num-requests 40 \\
+      --slo-tbt 0.25,1.0 --token-budget 256 --cost-model results/profile/cost_model.json --out results/cap
+"""
+SWEEP_EXAMPLE = """\
+examples:
+  stallfree bench sweep --policies sarathi,sarathi-nohybrid,orca --qps 1 --out results/ablation
+  stallfree bench sweep --policies sarathi --token-budgets 128,256,512,1024,2048 --qps 1 --out results/budgets
+"""
+
+
+def _server_args(ap: argparse.ArgumentParser) -> None:
+    """Options of the `stallfree serve` processes that capacity and sweep start."""
+    g = ap.add_argument_group("servers started by this command")
+    g.add_argument("--model", default=None, help="model for stallfree serve (default: bundled SmolLM2-135M)")
+    g.add_argument("--token-budget", type=int, default=512, help="sarathi's token budget")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: the server's)")
+    g.add_argument("--chunk-align", type=int, default=0)
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads per server (OMP_NUM_THREADS)")
+    g.add_argument(
+        "--cost-model", default=None, help="also report the simulator's prediction (cost_model.json)"
+    )
+    g.add_argument("--overhead-ms", type=float, default=0.0, help="simulator: extra time per iteration")
+    ap.set_defaults(model_name=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="stallfree bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,capacity,sweep}")
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    s = sub.add_parser(
+        "serve",
+        help="replay a trace against a running server",
+        epilog=SERVE_EXAMPLE,
+        description="Open-loop load generator for any OpenAI-compatible /v1/completions server.",
+        formatter_class=fmt,
+    )
+    s.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    add_workload_args(s)
+    s.add_argument("--qps", type=float, default=None, help="Poisson arrival rate; omit to use the trace's own "
+                   "arrival times (the file needs an arrived_at column)")  # fmt: skip
+    s.add_argument("--model", dest="model_name", default=None, help="model id to send (default: /v1/models)")
+    s.add_argument("--api-key", default=None, help="bearer token for the server")
+    s.add_argument("--traffic-cluster", default=None, help="send this x-traffic-cluster header")
+    s.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before a request counts as timed out"
+    )
+    s.add_argument("--no-logprobs", action="store_true", help="do not ask for logprobs (servers that lack them; "
+                   "then tokens with empty text merge into the next chunk)")  # fmt: skip
+    s.add_argument("--out", default="results/bench-serve")
+
+    c = sub.add_parser(
+        "capacity",
+        help="capacity under SLOs, one server per policy",
+        epilog=CAPACITY_EXAMPLE,
+        description=capacity_cmd.__doc__,
+        formatter_class=fmt,
+    )
+    c.add_argument("--policies", default="sarathi,vllm,orca", help=f"comma list of {', '.join(POLICY_NAMES)}")
+    c.add_argument("--peer-url", default=None, help="an external OpenAI-compatible server to search as well")
+    add_workload_args(c)
+    _server_args(c)
+    c.add_argument("--start-qps", type=float, default=0.5, help="first QPS of the search")
+    c.add_argument(
+        "--tolerance", type=float, default=0.1, help="stop bisecting at this relative bracket width"
+    )
+    c.add_argument("--max-runs", type=int, default=8, help="new runs per search at most")
+    c.add_argument("--out", default="results/capacity")
+
+    w = sub.add_parser(
+        "sweep",
+        help="fixed-load runs over policies and budgets",
+        epilog=SWEEP_EXAMPLE,
+        description=sweep_cmd.__doc__,
+        formatter_class=fmt,
+    )
+    w.add_argument("--policies", default="sarathi,sarathi-nohybrid,orca", help="comma list of policies")
+    w.add_argument("--token-budgets", default="512", help="comma list of budgets (sarathi policies)")
+    w.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate of every run")
+    add_workload_args(w)
+    _server_args(w)
+    w.add_argument("--out", default="results/sweep")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        slos = tbt_slos(args.slo_tbt)
+        slo = SLO(ttft=args.slo_ttft, tbt=slos[0], scheduling_delay=args.slo_delay)
+        trace = load_trace(args.trace)
+        if args.command == "serve":
+            workload = make_workload(
+                trace,
+                args.num_requests,
+                qps=args.qps,
+                scale=args.scale,
+                max_model_len=args.max_model_len,
+                seed=args.seed,
+            )
+        for p in (getattr(args, "policies", "") or "").split(","):
+            if p.strip() and p.strip() not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {p.strip()!r}; choose from {', '.join(POLICY_NAMES)}")
+    except ValueError as e:
+        print(f"stallfree bench {args.command}: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from stallfree.bench.serve_cmd import main_serve
+
+        return main_serve(args, workload, slo)
+    if args.command == "capacity":
+        return capacity_cmd.main_capacity(args, trace, slos, slo)
+    return sweep_cmd.main_sweep(args, trace, slo)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

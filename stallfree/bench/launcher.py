@@ -1,0 +1,118 @@
+"""Start and stop `stallfree serve` for a benchmark: one process per policy, on a free local port.
+
+The server's output goes to a log file next to the results. `sarathi-nohybrid` (the paper's chunking-only
+ablation) runs the same server through `stallfree.bench.serve_variant`, which turns hybrid batching off in
+the scheduler config, until `stallfree serve` has a flag for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from stallfree.bench.simulator import split_policy
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class ServerSpec:
+    """What to start: the same knobs for every policy, so runs differ only in the policy."""
+
+    policy: str = "sarathi"
+    token_budget: int = 512
+    max_num_seqs: int = 128
+    num_kv_blocks: int | None = None
+    chunk_align: int = 0
+    model: str | None = None
+    threads: int = 1  # torch CPU threads (OMP_NUM_THREADS)
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self, port: int) -> list[str]:
+        policy, hybrid = split_policy(self.policy)
+        head = [sys.executable, "-m", "stallfree", "serve"]
+        if not hybrid:
+            head = [sys.executable, "-m", "stallfree.bench.serve_variant", "--no-hybrid-batching"]
+        cmd = [*head, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+               "--token-budget", str(self.token_budget), "--max-num-seqs", str(self.max_num_seqs),
+               "--chunk-align", str(self.chunk_align), "--log-level", "warning"]  # fmt: skip
+        if self.num_kv_blocks:
+            cmd += ["--num-kv-blocks", str(self.num_kv_blocks)]
+        if self.model:
+            cmd += ["--model", self.model]
+        return cmd + self.extra_args
+
+
+class ServerProcess:
+    """A `stallfree serve` child process; use as a context manager."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, ready_timeout: float = 300.0) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self.spec.threads),
+            "MKL_NUM_THREADS": str(self.spec.threads),
+        }
+        cmd = self.spec.command(self.port)
+        logger.info("starting %s", " ".join(cmd))
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"stallfree serve exited with {self.proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"stallfree serve was not ready within {self.ready_timeout:g} s (log: {self.log_path})"
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,302 @@
+"""`stallfree profile`: measure iteration time on this hardware and fit the cost model T(n_prefill, n_decode,
+context).
+
+The grid is (running decodes x their context) states; in each state, iterations with a prefill chunk of
+each size at each prefill context are run through the real LLMEngine (sarathi policy, the budget set so the
+batch holds exactly the decodes plus the chunk). Each configuration is repeated and its median kept. A
+seeded quarter of the configurations is held out: the saved model is fitted on the rest, and its error on
+the held-out points is reported, so the error belongs to the model you use.
+
+Output (--out): cost_model.json (coefficients, fit error, grid, hardware), profile.json (every point),
+profile.png (measured vs predicted, time vs prefill tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from stallfree.bench import costmodel
+from stallfree.bench.report import pyplot, table, write_json
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _engine(loaded, max_seqs: int, kv_tokens: int):
+    from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulerTunables
+    from stallfree.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        scheduler=SchedulerConfig(
+            policy="sarathi", max_num_seqs=max_seqs, tunables=SchedulerTunables(token_budget=8192)
+        ),
+        cache=CacheConfig(num_kv_blocks=kv_tokens // 16 + 64),
+    )
+    return LLMEngine(cfg, loaded=loaded)
+
+
+class _Capture:
+    """Wraps the engine's scheduler.schedule to keep the last SchedulerOutput (for its features)."""
+
+    def __init__(self, engine) -> None:
+        self.last = None
+        self._orig = engine.scheduler.schedule
+        engine.scheduler.schedule = self
+
+    def __call__(self):
+        self.last = self._orig()
+        return self.last
+
+
+def _ids(vocab: int, n: int, salt: int) -> list[int]:
+    return [(1009 * (i + 1) + 7919 * salt) % (vocab - 300) + 100 for i in range(n)]
+
+
+def _set_budget(engine, budget: int) -> None:
+    from dataclasses import replace
+
+    engine.set_tunables(replace(engine.tunables, token_budget=max(1, budget)))
+
+
+def _measure(engine, cap: _Capture, steps: int) -> tuple[dict[str, float], float, list[float]]:
+    rows, times = [], []
+    for _ in range(steps):
+        engine.step()
+        rows.append(costmodel.iteration_features(cap.last.chunks))
+        times.append(engine.last_stats.time_total)
+    mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    return mean, statistics.median(times), times
+
+
+def profile_grid(loaded, decodes, decode_ctxs, chunks, prefill_ctxs, reps, bar) -> list[dict]:
+    """Run the grid; one point per configuration with mean features and median iteration time."""
+    from stallfree.engine.sampling_params import SamplingParams
+
+    vocab = loaded.config.vocab_size
+    max_seqs = max(decodes) + 2
+    kv_tokens = max(decodes) * (max(decode_ctxs) + 512) + max(prefill_ctxs) + max(chunks) * reps + 2048
+    engine = _engine(loaded, max_seqs, kv_tokens)
+    cap = _Capture(engine)
+    long_run = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    # Warm-up: the first iterations of a process are slow (allocator, kernels' first calls).
+    engine.add_request("warm", _ids(vocab, 256, 0), SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    points, salt = [], 1
+    for n_dec in decodes:
+        for dctx in decode_ctxs if n_dec else [0]:
+            _set_budget(engine, 8192)
+            for b in range(n_dec):
+                engine.add_request(f"d{b}", _ids(vocab, dctx, salt + b), long_run)
+            salt += n_dec
+            while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
+                engine.step()
+            for pctx in prefill_ctxs:
+                for c in chunks:
+                    if c == 0 and (n_dec == 0 or pctx != prefill_ctxs[0]):
+                        bar.update(1)
+                        continue  # decode-only iterations do not depend on the prefill context
+                    if c:
+                        engine.add_request(
+                            "p", _ids(vocab, pctx + c * reps + 1, salt), SamplingParams(max_tokens=1)
+                        )
+                        salt += 1
+                        if pctx:
+                            _set_budget(engine, n_dec + pctx)
+                            engine.step()
+                    _set_budget(engine, n_dec + c if c else n_dec)
+                    feats, t, all_t = _measure(engine, cap, reps)
+                    if c:
+                        engine.abort_request("p")
+                    points.append(
+                        {
+                            "decodes": n_dec,
+                            "decode_context": dctx,
+                            "chunk": c,
+                            "prefill_context": pctx,
+                            "features": feats,
+                            "time_s": t,
+                            "times_s": all_t,
+                        }
+                    )
+                    bar.update(1)
+            for b in range(n_dec):
+                engine.abort_request(f"d{b}")
+    return points
+
+
+def fit_with_holdout(points: list[dict], holdout: float, seed: int) -> tuple[costmodel.CostModel, dict]:
+    rng = np.random.default_rng(seed)
+    n = len(points)
+    test = (
+        set(rng.choice(n, size=max(1, int(round(n * holdout))), replace=False).tolist()) if holdout else set()
+    )
+    train = [p for i, p in enumerate(points) if i not in test]
+    held = [p for i, p in enumerate(points) if i in test]
+    model = costmodel.fit([p["features"] for p in train], [p["time_s"] for p in train])
+    err_train = costmodel.relative_errors(model, [p["features"] for p in train], [p["time_s"] for p in train])
+    err_test = (
+        costmodel.relative_errors(model, [p["features"] for p in held], [p["time_s"] for p in held])
+        if held
+        else np.array([])
+    )
+    for i, p in enumerate(points):
+        p["held_out"] = i in test
+        p["predicted_s"] = model.predict(p["features"])
+    fit_error = {
+        "train": costmodel.error_summary(err_train),
+        "held_out": costmodel.error_summary(err_test),
+        "num_train": len(train),
+        "num_held_out": len(held),
+    }
+    return model, fit_error
+
+
+def _plot(points: list[dict], out: Path) -> Path:
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for held, mark, lab in ((False, "o", "fit"), (True, "x", "held out")):
+        pts = [p for p in points if p["held_out"] == held]
+        a1.scatter(
+            [p["time_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts], marker=mark, label=lab
+        )
+    hi = max(p["time_s"] for p in points) * 1e3 * 1.05
+    a1.plot([0, hi], [0, hi], color="grey", lw=0.8)
+    a1.set_xlabel("measured iteration ms (median)")
+    a1.set_ylabel("predicted ms")
+    a1.set_title("Cost model fit")
+    a1.legend()
+    for n_dec in sorted({p["decodes"] for p in points}):
+        pts = sorted(
+            (
+                p
+                for p in points
+                if p["decodes"] == n_dec
+                and p["prefill_context"] == 0
+                and p["decode_context"]
+                in (0, max(q["decode_context"] for q in points if q["decodes"] == n_dec))
+            ),
+            key=lambda p: p["chunk"],
+        )
+        if pts:
+            a2.plot(
+                [p["chunk"] for p in pts],
+                [p["time_s"] * 1e3 for p in pts],
+                marker="o",
+                label=f"{n_dec} decodes",
+            )
+    a2.set_xlabel("prefill tokens in the iteration")
+    a2.set_ylabel("iteration ms")
+    a2.set_title("Iteration time vs prefill chunk")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "profile.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="stallfree profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M)")
+    ap.add_argument("--decodes", default="0,4,16,48", help="running decodes per iteration")
+    ap.add_argument("--decode-contexts", default="64,512", help="context length of the running decodes")
+    ap.add_argument("--chunks", default="0,32,128,256,512,1024", help="prefill chunk sizes (tokens)")
+    ap.add_argument("--prefill-contexts", default="0,768", help="tokens already prefilled before the chunk")
+    ap.add_argument("--reps", type=int, default=3, help="iterations per configuration (median kept)")
+    ap.add_argument("--holdout", type=float, default=0.25, help="fraction of configurations held out")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared 2-core box)"
+    )
+    ap.add_argument("--out", default="results/profile", help="folder for cost_model.json and plots")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from stallfree.engine.model.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    decodes, dctx, chunks, pctx = map(
+        _ints, (args.decodes, args.decode_contexts, args.chunks, args.prefill_contexts)
+    )
+    if args.reps < 1 or not 0 <= args.holdout < 1:
+        ap.error("--reps must be >= 1 and --holdout in [0, 1)")
+    out = Path(args.out)
+    loaded = load_model(args.model, dtype=torch.float32)
+    n_states = sum(len(dctx) if d else 1 for d in decodes)
+    t0 = time.time()
+    with tqdm(
+        total=n_states * len(pctx) * len(chunks), desc="profile", unit="config", file=sys.stderr
+    ) as bar:
+        points = profile_grid(loaded, decodes, dctx, chunks, pctx, args.reps, bar)
+    model, fit_error = fit_with_holdout(points, args.holdout, args.seed)
+    model.meta = {
+        "model": loaded.name,
+        "device": "cpu",
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "profile_wall_s": time.time() - t0,
+        "fit_error": fit_error,
+        "grid": {
+            "decodes": decodes,
+            "decode_contexts": dctx,
+            "chunks": chunks,
+            "prefill_contexts": pctx,
+            "reps": args.reps,
+        },
+        "units": "seconds per iteration; features as in stallfree.bench.costmodel",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    model.save(out / "cost_model.json")
+    write_json(out, "profile.json", {"points": points, "cost_model": model.to_json()})
+    png = _plot(points, out)
+    rows = [[k, f"{v:.4g}"] for k, v in model.coefficients.items()]
+    print(
+        table(
+            ["feature", "seconds per unit"], rows, title=f"cost model ({loaded.name}, {args.threads} threads)"
+        )
+    )
+    fe = fit_error["held_out"]
+    print(
+        f"\nfit on {fit_error['num_train']} configurations; relative error on {fit_error['num_held_out']} held-out: "
+        f"median {fe['median']:.1%}, max {fe['max']:.1%}"
+        if fe["median"] is not None
+        else "\nno held-out points"
+    )
+    dec = [p for p in points if p["chunk"] == 0]
+    if dec:
+        print(
+            table(
+                ["decodes", "context", "measured ms", "predicted ms"],
+                [
+                    [
+                        p["decodes"],
+                        p["decode_context"],
+                        f"{p['time_s'] * 1e3:.1f}",
+                        f"{p['predicted_s'] * 1e3:.1f}",
+                    ]
+                    for p in dec
+                ],
+                title="\ndecode-only iterations",
+            )
+        )
+    print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""`stallfree bench sweep`: fixed-load runs over policies and token budgets, one server per configuration.
+
+For the paper's ablation (`--policies sarathi,sarathi-nohybrid,orca`: both, chunking only, hybrid batching
+only) and the budget sweep (`--policies sarathi --token-budgets 128,256,512,1024,2048`): every configuration
+gets the same requests and arrivals at --qps. Reports P50/P99 TTFT and TBT, scheduling delay and goodput;
+with --cost-model also the simulator's prediction for the same configuration and load (its accuracy).
+
+Output (--out): sweep.json, sweep.png (TTFT-TBT-goodput Pareto view), one server log per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.metrics import SLO, summarize
+from stallfree.bench.report import ms, pyplot, table, write_json
+from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.traces import Trace, make_workload
+
+
+def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | None:
+    if not args.cost_model:
+        return None
+    from stallfree.bench.costmodel import CostModel
+    from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig, simulate
+
+    cfg = SimConfig(
+        policy=policy,
+        token_budget=budget,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks or DEFAULT_KV_BLOCKS,
+        max_model_len=args.max_model_len,
+        chunk_align=args.chunk_align,
+        overhead_s=args.overhead_ms / 1e3,
+    )
+    wl = make_workload(
+        trace,
+        args.num_requests,
+        qps=args.qps,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    return summarize(simulate(wl, CostModel.load(args.cost_model), cfg).records, slo)
+
+
+def _plot(rows: list[dict], out: Path) -> Path:
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for r in rows:
+        s = r["measured"]
+        x, y = s["tbt_s"]["p99"], s["ttft_s"]["p50"]
+        if x is None or y is None:
+            continue
+        a1.scatter(x * 1e3, y, s=30 + 400 * s["good_fraction"], alpha=0.7)
+        a1.annotate(
+            f"{r['policy']} b={r['token_budget']}\ngoodput {s['goodput_rps']:.2f}/s", (x * 1e3, y), fontsize=7
+        )
+    a1.set_xlabel("P99 TBT, ms (measured)")
+    a1.set_ylabel("P50 TTFT, s (measured)")
+    a1.set_title("TTFT-TBT trade-off (marker size = share meeting both SLOs)")
+    sarathi = sorted((r for r in rows if r["policy"] == "sarathi"), key=lambda r: r["token_budget"])
+    if len(sarathi) > 1:
+        b = [r["token_budget"] for r in sarathi]
+        a2.plot(
+            b, [(r["measured"]["tbt_s"]["p99"] or 0) * 1e3 for r in sarathi], marker="o", label="P99 TBT ms"
+        )
+        a2.plot(
+            b, [(r["measured"]["ttft_s"]["p50"] or 0) * 1e3 for r in sarathi], marker="s", label="P50 TTFT ms"
+        )
+        if all(r.get("predicted") for r in sarathi):
+            a2.plot(
+                b,
+                [(r["predicted"]["tbt_s"]["p99"] or 0) * 1e3 for r in sarathi],
+                ls="--",
+                label="P99 TBT ms (sim)",
+            )
+        a2.set_xscale("log", base=2)
+        a2.set_yscale("log")
+        a2.set_xlabel("token budget")
+        ax3 = a2.twinx()
+        ax3.plot(
+            b, [r["measured"]["goodput_rps"] for r in sarathi], color="green", marker="^", label="goodput/s"
+        )
+        ax3.set_ylabel("goodput, req/s")
+        a2.legend(fontsize=7, loc="upper left")
+        a2.set_title("sarathi: budget sweep")
+    else:
+        a2.axis("off")
+    fig.tight_layout()
+    path = out / "sweep.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    budgets = [int(b) for b in args.token_budgets.split(",")]
+    configs = [(p, b) for p in policies for b in (budgets if p.startswith("sarathi") else budgets[:1])]
+    wl = make_workload(
+        trace,
+        args.num_requests,
+        qps=args.qps,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    rows = []
+    t0 = time.time()
+    for policy, budget in configs:
+        spec = ServerSpec(
+            policy=policy,
+            token_budget=budget,
+            max_num_seqs=args.max_num_seqs,
+            num_kv_blocks=args.num_kv_blocks,
+            chunk_align=args.chunk_align,
+            model=args.model,
+            threads=args.threads,
+        )
+        print(f"{policy} budget {budget}: starting stallfree serve", file=sys.stderr, flush=True)
+        with ServerProcess(spec, out / f"server-{policy}-{budget}.log") as server:
+            from stallfree.bench.capacity_cmd import warm_up
+
+            warm_up(server.url, trace, args)
+            s, _ = bench_once(server.url, wl, slo, model=args.model_name, desc=f"{policy} b={budget}")
+        rows.append(
+            {
+                "policy": policy,
+                "token_budget": budget,
+                "measured": s,
+                "predicted": _predict(policy, budget, trace, args, slo),
+            }
+        )
+    wall = time.time() - t0
+    path = write_json(
+        out, "sweep.json", {"args": vars(args), "workload": wl.describe(), "wall_s": wall, "rows": rows}
+    )
+    png = _plot(rows, out)
+    headers = [
+        "policy",
+        "budget",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TBT p50 ms",
+        "TBT p99 ms",
+        "sched p50 ms",
+        "goodput/s",
+        "ok",
+    ]
+    if args.cost_model:
+        headers += ["sim TBT p99 ms", "sim TTFT p50 ms"]
+    trows = []
+    for r in rows:
+        s, p = r["measured"], r["predicted"]
+        row = [
+            r["policy"],
+            r["token_budget"],
+            ms(s["ttft_s"]["p50"]),
+            ms(s["ttft_s"]["p99"]),
+            ms(s["tbt_s"]["p50"]),
+            ms(s["tbt_s"]["p99"]),
+            ms(s["scheduling_delay_s"]["p50"]),
+            f"{s['goodput_rps']:.3g}",
+            f"{s['outcomes']['ok']}/{s['num_requests']}",
+        ]
+        if p:
+            row += [ms(p["tbt_s"]["p99"]), ms(p["ttft_s"]["p50"])]
+        trows.append(row)
+    d = wl.describe()
+    print(
+        table(
+            headers,
+            trows,
+            title=(
+                f"{d['trace']} x{args.scale:g} (median prompt {d['prompt_tokens_median']:.0f}, output "
+                f"{d['output_tokens_median']:.0f}), {args.num_requests} requests at {args.qps:g} QPS, seed {args.seed}; "
+                f"SLO TTFT {slo.ttft:g} s, TBT {slo.tbt * 1e3:.0f} ms; {wall / 60:.1f} min"
+            ),
+        )
+    )
+    print(f"saved {path} and {png}")
+    return 0

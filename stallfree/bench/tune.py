@@ -1,0 +1,201 @@
+"""`stallfree tune --tbt-slo S`: derive the token budget from a TBT SLO and the profiled cost model.
+
+With stall-free batching every running decode gets one token per iteration, so a decode's TBT is the
+iteration time. The worst iteration is a full one: the expected running decodes plus a prefill chunk that
+fills the rest of the budget, at the deepest prefill context (the last chunk of a long prompt). The tuned
+budget is the largest tile-aligned budget whose worst iteration is predicted to meet the SLO (times a safety
+margin). Its price is TTFT: a prompt is prefilled over more, smaller chunks; the predicted prefill time of a
+--prompt-len prompt next to the decodes is reported for every budget, against one-shot prefill.
+
+Output (--out): tune.json and tune.png (predicted iteration time and TTFT vs budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stallfree.bench.costmodel import CostModel
+from stallfree.bench.report import pyplot, table, write_json
+
+
+def worst_iteration(
+    cost: CostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
+) -> float:
+    """Predicted time of a full iteration: `decodes` decodes + a chunk filling the budget, at the end of a
+    prompt_len-token prompt (the deepest, costliest chunk)."""
+    chunk = max(0, min(budget - decodes, prompt_len))
+    return cost.iteration_time(chunk, decodes, max(0, prompt_len - chunk), decode_context)
+
+
+def prefill_time(
+    cost: CostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
+) -> tuple[float, int]:
+    """Predicted time to prefill a prompt_len prompt in budget-sized chunks alongside `decodes` decodes.
+    Returns (seconds, number of iterations); inf when the budget leaves no room for prefill."""
+    per_iter = budget - decodes
+    if per_iter <= 0:
+        return float("inf"), 0
+    t, done, n = 0.0, 0, 0
+    while done < prompt_len:
+        chunk = min(per_iter, prompt_len - done)
+        t += cost.iteration_time(chunk, decodes, done, decode_context)
+        done += chunk
+        n += 1
+    return t, n
+
+
+def tune(
+    cost: CostModel,
+    slo: float,
+    *,
+    decodes: int,
+    decode_context: int,
+    prompt_len: int,
+    align: int = 32,
+    max_budget: int = 4096,
+    margin: float = 1.0,
+) -> dict:
+    """Every tile-aligned budget's predicted cost, and the largest one meeting the SLO."""
+    if slo <= 0 or align < 1 or max_budget < align or not 0 < margin <= 1:
+        raise ValueError("need --tbt-slo > 0, --align >= 1, --max-budget >= --align and 0 < --margin <= 1")
+    one_shot = cost.iteration_time(prompt_len, decodes, 0, decode_context)
+    rows = []
+    for b in range(align, max_budget + 1, align):
+        it = worst_iteration(cost, b, decodes, decode_context, prompt_len)
+        ttft, n = prefill_time(cost, b, decodes, decode_context, prompt_len)
+        rows.append(
+            {
+                "budget": b,
+                "iteration_s": it,
+                "meets": it <= slo * margin,
+                "prefill_s": ttft,
+                "prefill_iterations": n,
+                "ttft_cost_vs_one_shot": ttft / one_shot if one_shot > 0 else None,
+            }
+        )
+    ok = [r for r in rows if r["meets"] and r["prefill_iterations"] > 0]
+    best = ok[-1] if ok else None
+    decode_only = cost.iteration_time(0, decodes, 0, decode_context)
+    return {
+        "tbt_slo_s": slo,
+        "margin": margin,
+        "decodes": decodes,
+        "decode_context": decode_context,
+        "prompt_len": prompt_len,
+        "align": align,
+        "decode_only_iteration_s": decode_only,
+        "one_shot_prefill_s": one_shot,
+        "token_budget": best["budget"] if best else None,
+        "chosen": best,
+        "feasible": best is not None,
+        "note": ""
+        if best
+        else (
+            f"even a {align}-token budget misses the SLO with {decodes} running decodes "
+            f"(a decode-only iteration is predicted at {decode_only * 1e3:.0f} ms): lower the decode load "
+            "(fewer running requests per replica) or relax the SLO"
+        ),
+        "budgets": rows,
+    }
+
+
+def _plot(res: dict, out: Path) -> Path:
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    b = [r["budget"] for r in res["budgets"]]
+    a1.plot(b, [r["iteration_s"] * 1e3 for r in res["budgets"]], marker=".")
+    a1.axhline(res["tbt_slo_s"] * 1e3, color="red", ls="--", label="TBT SLO")
+    if res["token_budget"]:
+        a1.axvline(res["token_budget"], color="green", ls=":", label=f"budget {res['token_budget']}")
+    a1.set_xlabel("token budget")
+    a1.set_ylabel("predicted full-iteration ms")
+    a1.set_title(f"{res['decodes']} decodes + budget-filling chunk")
+    a1.legend()
+    a2.plot(b, [r["prefill_s"] for r in res["budgets"]], marker=".")
+    a2.axhline(res["one_shot_prefill_s"], color="grey", ls="--", label="one-shot prefill")
+    a2.set_xlabel("token budget")
+    a2.set_ylabel(f"predicted prefill time of {res['prompt_len']} tokens, s")
+    a2.set_title("TTFT cost of the budget")
+    a2.legend()
+    fig.tight_layout()
+    path = out / "tune.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="stallfree tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tbt-slo", type=float, required=True, help="P99 TBT SLO, seconds")
+    ap.add_argument(
+        "--cost-model", default="results/profile/cost_model.json", help="from `stallfree profile`"
+    )
+    ap.add_argument("--decodes", type=int, default=16, help="expected running decodes per iteration")
+    ap.add_argument("--decode-context", type=int, default=512, help="their typical context length")
+    ap.add_argument("--prompt-len", type=int, default=1024, help="prompt length for the TTFT cost")
+    ap.add_argument("--align", type=int, default=32, help="tile: budgets are multiples of this")
+    ap.add_argument("--max-budget", type=int, default=4096)
+    ap.add_argument("--margin", type=float, default=0.9, help="meet margin x SLO, leaving room for noise")
+    ap.add_argument("--out", default="results/tune", help="folder for tune.json and tune.png")
+    args = ap.parse_args(argv)
+    try:
+        cost = CostModel.load(args.cost_model)
+        res = tune(
+            cost,
+            args.tbt_slo,
+            decodes=args.decodes,
+            decode_context=args.decode_context,
+            prompt_len=args.prompt_len,
+            align=args.align,
+            max_budget=args.max_budget,
+            margin=args.margin,
+        )
+    except ValueError as e:
+        print(f"stallfree tune: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res["cost_model"] = args.cost_model
+    path = write_json(out, "tune.json", res)
+    png = _plot(res, out)
+    pick = {res["token_budget"]} if res["token_budget"] else set()
+    shown = [r for r in res["budgets"] if r["budget"] in {128, 256, 512, 1024, 2048} | pick]
+    print(
+        table(
+            ["budget", "iteration ms", "meets", "prefill s", "chunks", "vs one-shot"],
+            [
+                [
+                    r["budget"],
+                    f"{r['iteration_s'] * 1e3:.1f}",
+                    "yes" if r["meets"] else "no",
+                    f"{r['prefill_s']:.3f}",
+                    r["prefill_iterations"],
+                    f"{r['ttft_cost_vs_one_shot']:.2f}x",
+                ]
+                for r in shown
+            ],
+            title=(
+                f"TBT SLO {args.tbt_slo * 1e3:.0f} ms (x{args.margin:g} margin), {args.decodes} decodes at "
+                f"{args.decode_context} context, {args.prompt_len}-token prompt; decode-only iteration "
+                f"{res['decode_only_iteration_s'] * 1e3:.1f} ms"
+            ),
+        )
+    )
+    if res["feasible"]:
+        c = res["chosen"]
+        print(
+            f"\ntoken budget: {c['budget']} (predicted full iteration {c['iteration_s'] * 1e3:.1f} ms; "
+            f"prefill of {args.prompt_len} tokens {c['prefill_s']:.3f} s = {c['ttft_cost_vs_one_shot']:.2f}x one-shot)"
+        )
+    else:
+        print(f"\nno budget meets the SLO: {res['note']}")
+    print(f"saved {path} and {png}")
+    return 0 if res["feasible"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

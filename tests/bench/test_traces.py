@@ -1,0 +1,103 @@
+"""Trace loading, scaling, clipping, seeded sampling and Poisson arrivals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bench_factories import make_trace, write_trace
+
+from stallfree.bench.traces import (
+    TRACE_FILES,
+    load_trace,
+    make_workload,
+    poisson_arrivals,
+    prompt_token_ids,
+    resolve_trace,
+    scale_and_clip,
+    traces_dir,
+)
+
+
+def test_scale_rounds_and_keeps_at_least_one_token():
+    p, o, clipped = scale_and_clip(np.array([800, 3, 100]), np.array([80, 2, 9]), 0.125, 8192)
+    assert p.tolist() == [100, 1, 12]
+    assert o.tolist() == [10, 1, 1]
+    assert clipped == 0
+
+
+def test_clip_keeps_prompt_then_cuts_output_to_the_context():
+    p, o, clipped = scale_and_clip(np.array([100, 300, 20]), np.array([50, 10, 5]), 1.0, 128)
+    assert p.tolist() == [100, 127, 20]
+    assert o.tolist() == [28, 1, 5]
+    assert (p + o <= 128).all()
+    assert clipped == 2
+
+
+def test_scale_must_be_positive():
+    with pytest.raises(ValueError, match="scale"):
+        scale_and_clip(np.array([1]), np.array([1]), 0.0, 100)
+
+
+def test_workload_is_seeded_and_qps_only_compresses_arrivals(tmp_path):
+    trace = make_trace(tmp_path)
+    a = make_workload(trace, 50, qps=1.0, seed=3)
+    b = make_workload(trace, 50, qps=1.0, seed=3)
+    c = make_workload(trace, 50, qps=4.0, seed=3)
+    d = make_workload(trace, 50, qps=1.0, seed=4)
+    assert a.requests == b.requests
+    assert [r.prompt_tokens for r in a.requests] == [r.prompt_tokens for r in c.requests]
+    assert np.allclose([r.arrival / 4 for r in a.requests], [r.arrival for r in c.requests])
+    assert [r.prompt_tokens for r in a.requests] != [r.prompt_tokens for r in d.requests]
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    t = poisson_arrivals(20_000, 5.0, seed=0)
+    assert t[0] == 0.0 and (np.diff(t) >= 0).all()
+    assert len(t) / t[-1] == pytest.approx(5.0, rel=0.05)
+
+
+def test_trace_arrival_times_are_used_without_qps(tmp_path):
+    trace = load_trace(str(write_trace(tmp_path / "t.csv", [(10, 2)] * 4, arrivals=[5.0, 5.5, 7.0, 9.0])))
+    wl = make_workload(trace, 4, qps=None)
+    assert [r.arrival for r in wl.requests] == [0.0, 0.5, 2.0, 4.0]
+    no_times = make_trace(tmp_path)
+    with pytest.raises(ValueError, match="no arrival times"):
+        make_workload(no_times, 4, qps=None)
+
+
+def test_describe_reports_scale_and_clipping(tmp_path):
+    trace = make_trace(tmp_path, prompt=400)
+    wl = make_workload(trace, 100, qps=1.0, scale=1.0, max_model_len=300)
+    d = wl.describe()
+    assert d["num_clipped"] > 0 and d["prompt_tokens_max"] <= 299 and d["max_model_len"] == 300
+
+
+def test_missing_columns_and_paths_are_explained(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="num_prefill_tokens"):
+        load_trace(str(bad))
+    with pytest.raises(ValueError, match="STALLFREE_TRACES"):
+        resolve_trace(str(tmp_path / "nope.csv"))
+
+
+def test_env_override_locates_named_traces(tmp_path, monkeypatch):
+    write_trace(tmp_path / TRACE_FILES["arxiv"], [(3000, 100)])
+    monkeypatch.setenv("STALLFREE_TRACES", str(tmp_path))
+    assert traces_dir() == tmp_path
+    assert load_trace("arxiv").prompt_tokens.tolist() == [3000]
+
+
+def test_named_traces_load_from_the_shared_folder():
+    if not (traces_dir() / TRACE_FILES["arxiv"]).is_file():
+        pytest.skip(f"shared traces not present at {traces_dir()}")
+    arxiv, sharegpt = load_trace("arxiv"), load_trace("sharegpt")
+    assert len(arxiv) == 28257 and len(sharegpt) == 30731
+    assert np.median(arxiv.prompt_tokens) == pytest.approx(2730, rel=0.01)
+
+
+def test_prompt_ids_are_deterministic_and_distinct():
+    a = prompt_token_ids(1, 50)
+    assert a == prompt_token_ids(1, 50) and len(a) == 50
+    assert a != prompt_token_ids(2, 50)
+    assert all(1000 <= t < 30000 for t in a)
