@@ -41,9 +41,9 @@ class PrometheusServer:
         self.scrape_interval = scrape_interval
         self.set_targets([])
 
-    def set_targets(self, targets: list[str]) -> None:
+    def set_targets(self, targets: list[str], labels: dict[str, str] | None = None) -> None:
         tmp = self.targets_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps([{"targets": targets, "labels": {}}]))
+        tmp.write_text(json.dumps([{"targets": targets, "labels": labels or {}}]))
         tmp.replace(self.targets_file)  # atomic: Prometheus never reads half a file
 
     def write_config(self) -> Path:

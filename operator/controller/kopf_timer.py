@@ -1,0 +1,172 @@
+"""The budget controller inside the operator: one kopf timer per SarathiDeployment.
+
+Every `spec.controller.intervalSeconds` the timer reads the fleet's metrics from Prometheus, decides, and
+- PATCHes /admin/v1/config on every running engine pod (the change takes effect next iteration),
+- writes the tuned values to status (status.budget, status.trafficClusters[], status.desiredReplicas and
+  the SLOMet / MetricsAvailable conditions) — never to spec, so GitOps tools see no drift,
+- re-applies the children, so the ConfigMap's engine.yaml carries the tuned values (a restarted pod comes
+  back tuned) and the Deployment the chosen replica count,
+- posts a Kubernetes Event per change (kopf turns INFO log lines of the handler's logger into Events).
+
+Register on the operator's registry with `register(registry, config)` (stallfree.operator.handlers).
+This is the only controller module that imports kopf.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import kopf
+
+from stallfree.operator.builders.meta import Owner, admin_secret_name, selector_string
+from stallfree.operator.controller.config import loop_inputs
+from stallfree.operator.controller.loop import ApplyFailed, ControlLoop
+from stallfree.operator.controller.prometheus import PrometheusSource
+from stallfree.operator.controller.types import HOLD, Knobs, Settings
+from stallfree.operator.reconcile import OperatorConfig, Reconciler
+from stallfree.operator.spec import GROUP, PLURAL, VERSION, SarathiSpec, parse_spec
+from stallfree.operator.status import merge_conditions
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = 5.0  # the kopf timer's period; each resource acts on its own spec.controller.intervalSeconds
+
+
+def fleet_selector(namespace: str, name: str) -> str:
+    """Label matchers of the engine series: the ServiceMonitor targets the Service named after the CR."""
+    return f'namespace="{namespace}",service="{name}"'
+
+
+def settings_from_status(status: dict | None, replicas: int, fallback: Settings) -> Settings:
+    """The settings in force according to status (written by an earlier controller run): a restarted
+    operator continues from them instead of jumping back to spec.budget.initial."""
+    status = status or {}
+    budget = (status.get("budget") or {}).get("tokenBudget")
+    clusters = dict(fallback.clusters)
+    for item in status.get("trafficClusters") or []:
+        if item.get("name") in clusters:
+            clusters[item["name"]] = Knobs(
+                item.get("chunkCap"), item.get("maxWaiting"), item.get("maxRunning")
+            )
+    return Settings(
+        token_budget=int(budget) if budget else fallback.token_budget,
+        replicas=int(status.get("desiredReplicas") or replicas),
+        clusters=clusters,
+    )
+
+
+class PodApplier:
+    """PATCH /admin/v1/config on every Running engine pod of one SarathiDeployment."""
+
+    def __init__(self, reconciler: Reconciler, namespace: str, name: str, spec: SarathiSpec) -> None:
+        self.kube = reconciler.kube
+        self.namespace, self.name, self.spec = namespace, name, spec
+
+    def _token(self) -> str | None:
+        ref = self.spec.engine.admin_token_secret
+        secret = self.kube.get(
+            "v1", "Secret", self.namespace, ref.name if ref else admin_secret_name_for(self.name)
+        )
+        if not secret:
+            return None
+        raw = (secret.get("data") or {}).get(ref.key if ref else "token")
+        return base64.b64decode(raw).decode() if raw else None
+
+    def __call__(self, settings: Settings) -> None:
+        pods = self.kube.list("v1", "Pod", self.namespace, selector_string_for(self.name))
+        token = self._token()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        failed = []
+        for pod in pods:
+            st = pod.get("status") or {}
+            ip = st.get("podIP")
+            if st.get("phase") != "Running" or not ip:
+                continue
+            url = f"http://{ip}:{self.spec.engine.port}/admin/v1/config"
+            try:
+                httpx.patch(url, json=settings.engine_patch(), headers=headers, timeout=5).raise_for_status()
+            except httpx.HTTPError as e:
+                failed.append(f"{pod['metadata']['name']}: {e}")
+        if failed:
+            raise ApplyFailed("; ".join(failed))
+
+
+def admin_secret_name_for(name: str) -> str:
+    return admin_secret_name(Owner(name, "", ""))
+
+
+def selector_string_for(name: str) -> str:
+    return selector_string(Owner(name, "", ""))
+
+
+@dataclass
+class _Slot:
+    """One resource's loop, rebuilt when its spec generation changes."""
+
+    generation: int
+    loop: ControlLoop
+    next_at: float
+
+
+def step_resource(
+    body: dict, patch: Any, logger: Any, memo: Any, config: OperatorConfig, now: float | None = None
+) -> dict | None:
+    """One timer tick for one SarathiDeployment; returns the status patch written (None when idle)."""
+    spec = parse_spec(body.get("spec") or {})
+    if not spec.controller.enabled:
+        return None
+    meta = body["metadata"]
+    ns, name, gen = meta["namespace"], meta["name"], meta.get("generation", 1)
+    now = time.monotonic() if now is None else now
+    slot: _Slot | None = getattr(memo, "budget_controller", None)
+    url = spec.controller.prometheus_url or config.prometheus_url
+    if not url:
+        cond = {"type": "MetricsAvailable", "status": "False", "reason": "NoPrometheus",
+                "message": "set spec.controller.prometheusUrl or the operator's --prometheus-url"}  # fmt: skip
+        doc = {"conditions": merge_conditions((body.get("status") or {}).get("conditions"), [cond])}
+        patch.status.update(doc)
+        return doc
+    if slot is None or slot.generation != gen:
+        inp = loop_inputs(spec)
+        loop = ControlLoop.start(
+            inp.specs, inp.config, inp.initial_budget, inp.initial_replicas,
+            source=PrometheusSource(url, fleet_selector(ns, name), max_age_s=max(30.0, 3 * inp.interval_s)),
+            apply=PodApplier(memo.reconciler, ns, name, spec), window_s=inp.window_s,
+            min_window_s=min(inp.window_s, max(10.0, 2 * inp.interval_s)),
+        )  # fmt: skip
+        loop.adopt(settings_from_status(body.get("status"), spec.replica_count(), loop.settings))
+        slot = _Slot(gen, loop, now)
+        memo.budget_controller = slot
+    if now < slot.next_at:
+        return None
+    slot.next_at = now + spec.controller.interval_seconds
+    step = slot.loop.step()
+    doc = slot.loop.status()
+    doc["conditions"] = merge_conditions((body.get("status") or {}).get("conditions"), doc["conditions"])
+    patch.status.update(doc)
+    if step.action != HOLD:
+        logger.info("budget controller: %s (%s)", step.action, step.reason)
+        # engine.yaml in the ConfigMap and the Deployment's replicas follow status: apply them now.
+        new_body = {**body, "status": {**(body.get("status") or {}), **doc}}
+        memo.reconciler.apply_children(memo.reconciler.context(new_body), logger)
+    elif step.holding:
+        logger.warning("budget controller holding settings: %s", step.reason)
+    return doc
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Add the budget controller's timer to the operator's registry."""
+
+    @kopf.timer(
+        GROUP, VERSION, PLURAL, registry=registry, id="budget-controller",
+        interval=TICK_SECONDS, initial_delay=TICK_SECONDS, idle=None,
+    )  # fmt: skip
+    def budget_controller(body: kopf.Body, patch: kopf.Patch, logger: Any, memo: kopf.Memo, **_: Any) -> None:
+        try:
+            step_resource(dict(body), patch, logger, memo, config)
+        except ValueError as e:  # the reconcile handler reports invalid specs
+            logger.debug("budget controller skipped: %s", e)

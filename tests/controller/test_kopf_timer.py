@@ -1,0 +1,130 @@
+"""The operator side of the controller: one timer tick against a real Prometheus, Kubernetes faked.
+
+What it must do: tune from metrics, write status (never spec), post an Event per change, re-apply the
+children so engine.yaml carries the tuned values, hold on missing metrics, continue from status on restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import types
+
+import pytest
+from fake_engine import FakeEngine
+from promserver import PrometheusServer, available
+
+from stallfree.operator.controller.kopf_timer import settings_from_status, step_resource
+from stallfree.operator.reconcile import OperatorConfig
+
+pytestmark = [
+    pytest.mark.prometheus,
+    pytest.mark.skipif(not available(), reason="needs the prometheus binary (scripts/bootstrap --test)"),
+]
+
+SPEC = {
+    "budget": {"initial": 1024, "min": 128, "max": 2048, "align": 32},
+    "slo": {"ttftP99Seconds": 2.0, "tbtP99Seconds": 0.2, "schedulingDelayP50Seconds": 2.0},
+    "trafficClusters": [
+        {
+            "name": "chat",
+            "slo": {"tbtP99Seconds": 0.1, "ttftP99Seconds": 1.0},
+            "priority": 10,
+            "maxWaiting": 64,
+        },
+        {"name": "summarization", "slo": {"tbtP99Seconds": 0.25, "ttftP99Seconds": 10.0}, "chunkCap": 256},
+    ],
+    "controller": {"enabled": True, "intervalSeconds": 5, "windowSeconds": 10},
+}
+
+
+class FakeReconciler:
+    def __init__(self) -> None:
+        self.applied: list[dict] = []
+        self.kube = types.SimpleNamespace(list=lambda *a, **k: [], get=lambda *a, **k: None)
+
+    def context(self, body):
+        return body
+
+    def apply_children(self, ctx, events):
+        self.applied.append(ctx)
+        return []
+
+
+class Patch:
+    def __init__(self) -> None:
+        self.status: dict = {}
+        self.spec: dict = {}
+
+
+def body(status=None, generation=1):
+    return {
+        "metadata": {"name": "smollm2", "namespace": "llm", "generation": generation, "uid": "u"},
+        "spec": copy.deepcopy(SPEC),
+        "status": status or {},
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    engine = FakeEngine()
+    engine.latency["chat"]["tbt"] = 0.3  # 3x the chat SLO
+    prom = PrometheusServer().start()
+    prom.set_targets([engine.target], {"namespace": "llm", "service": "smollm2"})
+    prom.wait_for(
+        'histogram_quantile(0.99, sum by (le) (rate(stallfree_time_between_tokens_seconds_bucket{service="smollm2"}[5s])))',
+        pred=lambda rows: rows and rows[0]["value"][1] != "NaN" and float(rows[0]["value"][1]) > 0.2,
+    )
+    yield engine, prom
+    prom.close()
+    engine.close()
+
+
+def test_tick_tunes_writes_status_and_events(fleet, caplog):
+    _, prom = fleet
+    memo = types.SimpleNamespace(reconciler=FakeReconciler())
+    cfg = OperatorConfig(prometheus_url=prom.url)
+    logger = logging.getLogger("kopf.test")
+    p = Patch()
+    step_resource(body(), p, logger, memo, cfg, now=0.0)  # builds the loop; a fresh loop waits a cooldown
+    slot = memo.budget_controller
+    slot.loop.state = type(slot.loop.state)()  # past the start-up cooldown
+    p = Patch()
+    with caplog.at_level(logging.INFO, logger="kopf.test"):
+        doc = step_resource(body(), p, logger, memo, cfg, now=100.0)
+    assert p.spec == {}, "the controller must never write spec"
+    assert doc["budget"]["tokenBudget"] < 1024 and doc["budget"]["lastDecision"] == "lower"
+    chat = next(c for c in doc["trafficClusters"] if c["name"] == "chat")
+    assert chat["observedTbtP99Seconds"] > 0.1 and chat["sloMet"] is False
+    conds = {c["type"]: c["status"] for c in doc["conditions"]}
+    assert conds == {"MetricsAvailable": "True", "SLOMet": "False"}
+    assert any("budget controller: lower" in r.getMessage() for r in caplog.records)
+    # The children are re-applied from a body whose status carries the tuned budget (engine.yaml follows).
+    assert memo.reconciler.applied[-1]["status"]["budget"]["tokenBudget"] == doc["budget"]["tokenBudget"]
+    # Not yet time for the next decision: nothing written.
+    assert step_resource(body(), Patch(), logger, memo, cfg, now=101.0) is None
+
+
+def test_restart_continues_from_status_and_holds_without_prometheus(fleet):
+    _, prom = fleet
+    tuned = {"budget": {"tokenBudget": 384}, "desiredReplicas": 1,
+             "trafficClusters": [{"name": "summarization", "chunkCap": 192, "maxWaiting": 8}]}  # fmt: skip
+    memo = types.SimpleNamespace(reconciler=FakeReconciler())
+    cfg = OperatorConfig(prometheus_url="http://127.0.0.1:1")  # nothing listens there
+    p = Patch()
+    doc = step_resource(body(tuned), p, logging.getLogger("kopf.test"), memo, cfg, now=0.0)
+    assert doc["budget"]["tokenBudget"] == 384, (
+        "a restarted controller must not jump back to spec.budget.initial"
+    )
+    summ = next(c for c in doc["trafficClusters"] if c["name"] == "summarization")
+    assert summ["chunkCap"] == 192 and summ["maxWaiting"] == 8
+    cond = {c["type"]: c for c in doc["conditions"]}["MetricsAvailable"]
+    assert cond["status"] == "False" and cond["reason"] == "HoldingSettings"
+    assert memo.reconciler.applied == []
+
+
+def test_settings_from_status_falls_back():
+    from stallfree.operator.controller.types import Knobs, Settings
+
+    fb = Settings(512, 1, {"chat": Knobs(None, 64, None)})
+    assert settings_from_status(None, 2, fb) == Settings(512, 2, {"chat": Knobs(None, 64, None)})
