@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -208,6 +209,10 @@ def main(argv: list[str]) -> int:
         server.should_exit = True
 
     state.on_fatal = fatal
+    # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers in place
+    # that re-raise is harmless, so a drained server exits 0 instead of dying by SIGTERM.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     if state.load_error is not None:
         print(f"stallfree serve: error: {state.load_error}", file=sys.stderr)

@@ -40,9 +40,13 @@ def test_overload_gets_429_with_retry_after_and_loses_nothing(tiny):
         assert "maxWaiting" in r.json()["error"]["message"]
         assert r.json()["error"]["type"] == "rate_limit_error"
     assert all(r.json()["usage"]["completion_tokens"] == 6 for r in ok), "an accepted request lost tokens"
-    assert tiny.metric("stallfree_rejections_total", traffic_cluster="default", reason="queue_full") == len(rejected)
+    assert tiny.metric("stallfree_rejections_total", traffic_cluster="default", reason="queue_full") == len(
+        rejected
+    )
     assert tiny.metric("stallfree_requests_total", traffic_cluster="default", outcome="length") == len(ok)
-    assert tiny.metric("stallfree_requests_total", traffic_cluster="default", outcome="rejected") == len(rejected)
+    assert tiny.metric("stallfree_requests_total", traffic_cluster="default", outcome="rejected") == len(
+        rejected
+    )
     assert tiny.metric("stallfree_max_waiting", traffic_cluster="default") == 2
     # once the queue drains, requests are admitted again
     assert _post(tiny.url, body).status_code == 200

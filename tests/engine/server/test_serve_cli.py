@@ -1,0 +1,98 @@
+"""`stallfree serve` as the operator runs it: --help, clear flag errors, and a real process that drains
+in-flight requests on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from stallfree.engine.serve_cli import main
+
+STALLFREE = [sys.executable, "-m", "stallfree"]
+
+
+def test_help_is_clear(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--policy", "--token-budget", "--traffic-clusters", "--admin-token",
+                 "--tensor-parallel-size", "--num-kv-blocks", "STALLFREE_API_KEY"):  # fmt: skip
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--tensor-parallel-size", "2"], "not supported yet"),
+        (["--pipeline-parallel-size", "4"], "not supported yet"),
+        (["--model", "/no/such/model"], "no such file"),
+        (["--traffic-cluster", "name=chat,chunkCap=0"], "chunkCap must be >= 1"),
+        (["--token-budget", "0"], "--token-budget must be >= 1"),
+    ],
+)
+def test_bad_flags_fail_fast(capsys, argv, words):
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_bad_traffic_file_names_the_field(tmp_path, capsys):
+    f = tmp_path / "engine.yaml"
+    f.write_text("trafficClusters:\n  - name: a\n  - name: b\n    slo: {tbtP99Seconds: 0}\n")
+    assert main(["--traffic-clusters", str(f)]) == 2
+    assert "trafficClusters[1].slo.tbtP99Seconds must be > 0" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_then_exits():
+    port = _free_port()
+    env = {**os.environ, "STALLFREE_ADMIN_TOKEN": "t", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen(
+        [*STALLFREE, "serve", "--port", str(port), "--num-kv-blocks", "128", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        result = {}
+
+        def call():
+            body = {"prompt": "Hi", "max_tokens": 24, "ignore_eos": True}
+            result["r"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.5)  # in flight
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert result["r"].status_code == 200, result["r"].text
+        assert result["r"].json()["usage"]["completion_tokens"] == 24, "the in-flight request was cut"
+        assert proc.wait(60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
