@@ -73,6 +73,9 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: Llama3RopeScaling | None = None
+    # Per-frequency divisors of the rotary frequencies (hd/2 values), as llama.cpp applies them: GGUF files
+    # carry Llama 3.1 scaling as a `rope_freqs` tensor, and linear scaling is every divisor = factor.
+    rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     # Qwen2 has biases on q/k/v (not on o_proj); Llama's `attention_bias: true` puts one on o_proj too.
@@ -105,6 +108,14 @@ class LlamaConfig:
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta}")
         if not (0 < self.rms_norm_eps < 1):
             raise ValueError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
+        if self.rope_freq_factors is not None:
+            if self.rope_scaling is not None:
+                raise ValueError("give either rope_scaling or rope_freq_factors, not both")
+            if len(self.rope_freq_factors) != self.head_dim // 2 or min(self.rope_freq_factors) <= 0:
+                raise ValueError(
+                    f"rope_freq_factors must be {self.head_dim // 2} positive numbers (head_dim / 2), "
+                    f"got {len(self.rope_freq_factors)}"
+                )
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

@@ -78,10 +78,6 @@ def config_from_metadata(metadata: dict[str, Any], tensors: dict[str, ReaderTens
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}: supported are {sorted(ARCHITECTURES)} (llama-shaped)"
         )
-    if "rope_freqs.weight" in tensors or metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none",):
-        raise ValueError(
-            "GGUF files with RoPE scaling are not supported yet; load the Hugging Face folder instead"
-        )
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in metadata:
@@ -89,9 +85,9 @@ def config_from_metadata(metadata: dict[str, Any], tensors: dict[str, ReaderTens
         return metadata[f"{arch}.{key}"]
 
     hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     # token_embd is stored (hidden, vocab) in GGUF's fastest-dimension-first order.
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
-    tokens = metadata.get("tokenizer.ggml.tokens")
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -99,18 +95,35 @@ def config_from_metadata(metadata: dict[str, Any], tensors: dict[str, ReaderTens
         num_layers=int(need("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         rope_theta=_f32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_token_id(metadata, "bos", tokens, vocab_size),
-        eos_token_id=_token_id(metadata, "eos", tokens, vocab_size),
+        bos_token_id=_token_id(metadata, "bos", vocab_size),
+        eos_token_id=_token_id(metadata, "eos", vocab_size),
         qkv_bias=ARCHITECTURES[arch].qkv_bias,
+        rope_freq_factors=_rope_freq_factors(metadata, tensors, arch, head_dim),
     )
 
 
-def _token_id(metadata: dict[str, Any], kind: str, tokens: list[str] | None, vocab_size: int) -> int | None:
+def _rope_freq_factors(
+    metadata: dict[str, Any], tensors: dict[str, ReaderTensor], arch: str, head_dim: int
+) -> tuple[float, ...] | None:
+    """RoPE frequency divisors: the `rope_freqs` tensor (Llama 3.1 scaling) or linear scaling's factor."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors:
+        return tuple(float(f) for f in dequantize_tensor(tensors["rope_freqs.weight"]).reshape(-1).tolist())
+    if kind == "linear":
+        return (float(metadata[f"{arch}.rope.scaling.factor"]),) * (head_dim // 2)
+    if kind != "none":
+        raise ValueError(
+            f"GGUF RoPE scaling {kind!r} is not supported (only linear and Llama 3.1 rope_freqs)"
+        )
+    return None
+
+
+def _token_id(metadata: dict[str, Any], kind: str, vocab_size: int) -> int | None:
     value = metadata.get(f"tokenizer.ggml.{kind}_token_id")
     return int(value) if value is not None and 0 <= int(value) < vocab_size else None
 
@@ -166,6 +179,8 @@ def load_gguf_weights(
     permuted = ARCHITECTURES[arch].permuted_qk and undo_rope_permutation
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # RoPE scaling, already in the config
+            continue
         hf_name = gguf_tensor_name_to_hf(tensor.name)
         w = dequantize_tensor(tensor)
         if permuted and ".self_attn.q_proj." in hf_name:

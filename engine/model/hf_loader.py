@@ -64,6 +64,14 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         )
         max_pos = int(window)
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    scaling = cfg.get("rope_scaling") or rope
+    freq_factors = None
+    if (
+        scaling.get("rope_type", scaling.get("type")) == "linear"
+    ):  # positions / factor == frequencies / factor
+        freq_factors = (float(scaling["factor"]),) * (head_dim // 2)
+        scaling = None
     return LlamaConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -71,12 +79,13 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        head_dim=head_dim,
         rope_theta=rope_theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if is_qwen2 else 1e-5)),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling=Llama3RopeScaling.from_dict(cfg.get("rope_scaling") or rope),
+        rope_scaling=Llama3RopeScaling.from_dict(scaling),
+        rope_freq_factors=freq_factors,
         bos_token_id=_first_id(cfg.get("bos_token_id")),
         eos_token_id=_first_id(cfg.get("eos_token_id")),
         qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),

@@ -50,9 +50,16 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> Tensor:
-    """Inverse frequencies (hd/2,) of the rotary embedding, with optional Llama 3.1 scaling."""
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: Llama3RopeScaling | None = None,
+    freq_factors: tuple[float, ...] | None = None,
+) -> Tensor:
+    """Inverse frequencies (hd/2,) of the rotary embedding, with optional Llama 3.1 scaling or divisors."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     if scaling is not None:
         old_len = scaling.original_max_position_embeddings
         low_freq_wavelen = old_len / scaling.low_freq_factor
@@ -78,7 +85,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: LlamaConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+        inv_freq = rope_inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.rope_freq_factors
+        ).to(device)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # (max_pos, hd/2)
         # Not persistent: derived from the config, never part of a checkpoint.

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 from tokenizers import Tokenizer
 from torch import Tensor
@@ -191,11 +191,14 @@ def write_gguf(
     arch: str = "llama",
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     permute: bool = True,
+    rope_freqs: np.ndarray | None = None,
+    linear_rope_factor: float | None = None,
 ) -> Path:
     """Write a transformers model and tokenizer as llama.cpp's converter would (Q/K permuted for "llama").
 
     Matrices are stored as `qtype` (1-D tensors stay F32, as llama.cpp keeps norms); tied embeddings mean
-    no output.weight.
+    no output.weight. RoPE scaling as llama.cpp stores it: `rope_freqs` (Llama 3.1 frequency divisors) or
+    linear scaling metadata.
     """
     cfg = hf_model.config
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
@@ -208,6 +211,11 @@ def write_gguf(
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if linear_rope_factor is not None:
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_rope_factor)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.ascontiguousarray(rope_freqs, dtype=np.float32))
     tokens, merges = bpe_vocab_and_merges(tok)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")

@@ -168,3 +168,39 @@ def test_missing_and_wrong_paths(tmp_path: Path) -> None:
         load_model(tmp_path / "bad.gguf")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_llama31_rope_freqs_tensor(tmp_path: Path, tiny_tokenizer) -> None:
+    """Llama 3.1 GGUFs carry their RoPE scaling as per-frequency divisors (`rope_freqs`); they must apply."""
+    hf = make_tiny_hf_model("llama", rope_parameters=LLAMA3_ROPE)
+    head_dim = 16
+    plain = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)
+    factors = plain / hf.model.rotary_emb.inv_freq.double().numpy()  # what llama.cpp's converter stores
+    assert factors.max() > 3.9 and factors.min() == pytest.approx(1.0)
+    loaded = load_model(write_gguf(tmp_path / "l31.gguf", hf, tiny_tokenizer, rope_freqs=factors))
+    assert loaded.config.rope_freq_factors is not None
+    ids = tiny_tokenizer.encode(TEXT).ids
+    ref = hf_logits(hf, ids)
+    assert (prefill_logits(loaded.model, ids) - ref).abs().max().item() < 1e-4
+    unscaled = load_model(write_gguf(tmp_path / "plain.gguf", hf, tiny_tokenizer))
+    assert (prefill_logits(unscaled.model, ids) - ref).abs().max().item() > 1e-2
+
+
+def test_linear_rope_scaling(tmp_path: Path, tiny_tokenizer) -> None:
+    hf = make_tiny_hf_model(
+        "llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    )
+    loaded = load_model(write_gguf(tmp_path / "lin.gguf", hf, tiny_tokenizer, linear_rope_factor=2.0))
+    assert loaded.config.rope_freq_factors == (2.0,) * 8
+    ids = tiny_tokenizer.encode(TEXT).ids
+    assert (prefill_logits(loaded.model, ids) - hf_logits(hf, ids)).abs().max().item() < 1e-4

@@ -161,3 +161,13 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path, tiny_tokenizer
     unscaled = load_model(folder)
     assert unscaled.config.rope_scaling is None
     assert (prefill_logits(unscaled.model, ids) - ref).abs().max().item() > 1e-2
+
+
+def test_linear_rope_scaling_hf_folder(tmp_path: Path, tiny_tokenizer) -> None:
+    hf = make_tiny_hf_model(
+        "llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    )
+    loaded = load_model(save_hf_folder(tmp_path, hf, tiny_tokenizer))
+    assert loaded.config.rope_freq_factors == (2.0,) * 8 and loaded.config.rope_scaling is None
+    ids = tiny_tokenizer.encode(TEXT).ids
+    assert (prefill_logits(loaded.model, ids) - hf_logits(hf, ids)).abs().max().item() < 1e-4
