@@ -55,6 +55,7 @@ def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
         replicas_min=max(r.min, 1),
         replicas_max=max(r.max, 1),
         interval_s=float(ctl.interval_seconds),
+        budget_home=b.initial,
         **overrides,
     )
     return LoopInputs(

@@ -44,6 +44,18 @@ class LinearCostModel:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ProfiledCostModel:
+    """A `stallfree profile` fit (stallfree.bench.costmodel.CostModel) behind this module's interface:
+    decodes attend over `context` tokens each, prefill chunks start at position 0 (a conservative mean)."""
+
+    fit: object
+
+    def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
+        p, d = int(max(n_prefill, 0)), int(max(n_decode, 0))
+        return float(self.fit.iteration_time(p, d, 0, int(max(context, 0))))  # type: ignore[attr-defined]
+
+
 # Built in: measured shape of SmolLM2-135M on a 2-core CPU, padded up (conservative: longer iterations
 # per prefill token make the controller grow the budget in smaller steps).
 BUILTIN = LinearCostModel()
@@ -91,14 +103,10 @@ def load_cost_model(path: str | Path | None) -> CostModel:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cost model {path}: cannot read it: {e}") from e
-    try:  # the bench package knows its own format best
-        from stallfree.bench.cost_model import CostModel as BenchCostModel  # type: ignore[import-not-found]
+    if "const" in (doc.get("coefficients") or {}):  # `stallfree profile` output (stallfree.bench.costmodel)
+        from stallfree.bench.costmodel import CostModel as BenchCostModel
 
-        loaded = BenchCostModel.from_dict(doc) if hasattr(BenchCostModel, "from_dict") else None
-        if loaded is not None and hasattr(loaded, "iteration_time"):
-            return loaded
-    except ImportError:
-        pass
+        return ProfiledCostModel(BenchCostModel.load(path))
     coeffs = doc.get("coefficients", doc.get("fit", doc))
     known = {f for f in LinearCostModel.__dataclass_fields__}
     picked = {k: float(v) for k, v in coeffs.items() if k in known and isinstance(v, (int, float))}

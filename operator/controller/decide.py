@@ -10,7 +10,8 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    the lowest-priority cluster with traffic (halve its maxWaiting).
 3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget, at most
    `max_grow` per step and never past the calibrated TBT limit.
-4. Lasting slack (`scale_in_after` intervals) -> undo shedding first, then scale in when the load fits in
+4. Lasting slack (`scale_in_after` intervals) -> undo shedding first, then step a lowered budget back up
+   toward the spec's (`budget_home`, within the calibrated TBT limit), then scale in when the load fits in
    one replica fewer.
 
 Hysteresis: ratios observed/SLO between `slack` and `violate` hold, and a new budget aims at `target`
@@ -276,6 +277,16 @@ def decide(
                 f"lasting slack: {name} maxWaiting -> {mw}",
                 who=name,
             )
+        home = cfg.budget_home
+        if home is not None and b < home and r.tbt_slack:
+            nb = cfg.clamp_budget(min(home, r.budget_limit, b * (1 + cfg.max_grow)))
+            if nb > b:
+                return out(
+                    replace(capped, token_budget=nb),
+                    RAISE,
+                    f"lasting slack: budget {b} -> {nb} (toward spec {home})",
+                    direction=1,
+                )
         fewer = settings.replicas - 1
         if fewer >= max(cfg.replicas_min, 1) and r.demand < 0.5 * r.capacity * fewer:
             return out(

@@ -75,6 +75,8 @@ class ControllerConfig:
     overload: float = 0.95
     # Shedding never lowers a cluster's maxWaiting below this.
     min_max_waiting: int = 1
+    # The user's budget (spec.budget.initial): after lasting slack a lowered budget steps back up to it.
+    budget_home: int | None = None
 
     def __post_init__(self) -> None:
         if self.align < 1:

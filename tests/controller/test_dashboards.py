@@ -65,7 +65,16 @@ def test_dashboard_is_grafana_json():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] and dash["panels"]
     titles = " ".join(p["title"] for p in dash["panels"])
-    for needed in ("time between tokens", "time to first token", "budget", "decisions", "Queue", "Goodput", "KV", "Iteration"):
+    for needed in (
+        "time between tokens",
+        "time to first token",
+        "budget",
+        "decisions",
+        "Queue",
+        "Goodput",
+        "KV",
+        "Iteration",
+    ):
         assert needed.lower() in titles.lower(), needed
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))

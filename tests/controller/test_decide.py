@@ -126,6 +126,19 @@ def test_lasting_slack_restores_then_scales_in():
     assert SCALE_IN in actions and s.replicas < 3
 
 
+def test_lasting_slack_returns_budget_toward_spec():
+    """Long prompts gone, TBT well under the SLO: a lowered budget climbs back to spec.budget.initial."""
+    cfg = make_config(budget_home=1024, scale_in_after=2)
+    quiet = make_snapshot(chat=dict(tbt_p99=0.02, ttft_p99=0.1, running=2))
+    s, state = start(256, cfg=cfg), State()
+    budgets = []
+    for _ in range(20):
+        d = decide(quiet, s, state, SPECS, cfg)
+        s, state = d.settings, d.state
+        budgets.append(s.token_budget)
+    assert budgets == sorted(budgets) and budgets[-1] == 1024
+
+
 def test_chunk_caps_follow_budget():
     d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
     for name in ("chat", "summarization"):
@@ -178,13 +191,18 @@ snapshots = st.builds(
     cluster_snaps("summarization"),
 )
 configs = st.builds(
-    lambda lo, span, align, rmax: make_config(
-        budget_min=lo * align, budget_max=(lo + span) * align, align=align, replicas_max=rmax
+    lambda lo, span, align, rmax, home: make_config(
+        budget_min=lo * align,
+        budget_max=(lo + span) * align,
+        align=align,
+        replicas_max=rmax,
+        budget_home=None if home is None else (lo + round(home * span)) * align,
     ),
     st.integers(1, 8),
     st.integers(0, 64),
     st.sampled_from([1, 16, 32, 64]),
     st.integers(1, 4),
+    st.one_of(st.none(), st.floats(0, 1)),
 )
 
 
