@@ -144,7 +144,12 @@ def k8s() -> Iterator[K8sEnv]:
 def crd(k8s: K8sEnv) -> dict:
     """The SarathiDeployment CRD installed from crds/ and Established."""
     k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    k8s.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+    def established() -> bool:
+        crd = k8s.get("crd", f"{PLURAL}.{GROUP}") or {}
+        conditions = (crd.get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_until(established, timeout=60, what="CRD Established")
     return yaml.safe_load(CRD_FILE.read_text())
 
 

@@ -90,3 +90,10 @@ for status, and posts Events.
   resources: [leaderworkersets]
   verbs: [get, list, create, patch, delete]
 {{- end }}
+
+{{/* kopf watches CustomResourceDefinitions to notice optional APIs appearing (read-only). */}}
+{{- define "stallfree.crdReaderRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- end }}
