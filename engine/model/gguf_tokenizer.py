@@ -100,14 +100,18 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
 
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    if add_bos or add_eos:
-        head = f"{tokens[bos]} " if add_bos else ""
-        tail = f" {tokens[eos]}" if add_eos else ""
-        ids = ([(tokens[bos], bos)] if add_bos else []) + ([(tokens[eos], eos)] if add_eos else [])
+    # What encode(add_special_tokens=True) puts around the text: BOS and/or EOS, as the file asks.
+    around: list[tuple[str, int]] = []
+    if bos is not None and metadata.get("tokenizer.ggml.add_bos_token", add_bos_default):
+        around.append((tokens[bos], int(bos)))
+    head = f"{around[0][0]} " if around else ""
+    tail = ""
+    if eos is not None and metadata.get("tokenizer.ggml.add_eos_token", False):
+        around.append((tokens[eos], int(eos)))
+        tail = f" {tokens[eos]}"
+    if around:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}", special_tokens=ids
+            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}", special_tokens=around
         )
     extra_stops = [
         metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata

@@ -83,6 +83,9 @@ class RotaryEmbedding(nn.Module):
     positions of the batch's tokens.
     """
 
+    cos_cache: Tensor
+    sin_cache: Tensor
+
     def __init__(self, config: LlamaConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(
@@ -189,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         starting at token 512 of its prompt uses positions 512, 513, ... Each must be below
         config.max_position_embeddings. Returns hidden states (T, C) after the final norm.
         """
-        cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, shared by all layers
         x = self.model.embed_tokens(input_ids)  # (T, C)
+        cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, float32, shared by all layers
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # cast once, not per layer
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
