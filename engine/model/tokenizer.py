@@ -135,6 +135,9 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+CONTEXT_TOKENS = 6
+
+
 class IncrementalDetokenizer:
     """Turns a stream of generated token ids into text deltas without ever emitting broken UTF-8.
 
@@ -152,13 +155,15 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(context_ids)
+        # A few tokens of context are enough to fix how the first new token renders; a whole prompt would
+        # only make the first decode slower.
+        self._ids: list[int] = list(context_ids)[-CONTEXT_TOKENS:]
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = len(self._ids)  # tokens before this have been emitted
 
     @property
     def token_ids(self) -> list[int]:
-        """Every id seen so far, context included."""
+        """Every id seen so far, the (last few) context ids included."""
         return list(self._ids)
 
     def add(self, token_id: int) -> str:
