@@ -144,6 +144,7 @@ def k8s() -> Iterator[K8sEnv]:
 def crd(k8s: K8sEnv) -> dict:
     """The SarathiDeployment CRD installed from crds/ and Established."""
     k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+
     def established() -> bool:
         crd = k8s.get("crd", f"{PLURAL}.{GROUP}") or {}
         conditions = (crd.get("status") or {}).get("conditions") or []
