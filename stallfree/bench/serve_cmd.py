@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from stallfree.bench.traces import Workload
 async def _bench(
     url: str, workload: Workload, slo: SLO, *, model, api_key, timeout, logprobs, cluster, bar
 ) -> tuple[dict, list]:
+    load_before = os.getloadavg()[0]
     before = await scrape(url)
     records = await run_workload(
         url,
@@ -43,6 +45,8 @@ async def _bench(
         records, slo, server_scheduling_delay={k: sd[k] for k in ("p50", "p95", "p99")} if sd else None
     )
     summary["server"] = server
+    # This box is shared: record how busy it was, so noisy runs can be recognised.
+    summary["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     summary["workload"] = workload.describe()
     return summary, records
 

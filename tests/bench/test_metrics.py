@@ -63,7 +63,9 @@ def test_goodput_counts_requests_meeting_both_slos():
 def test_scheduling_delay_prefers_records_then_server():
     slo = SLO(ttft=1.0, tbt=0.2)
     s = summarize([rec(0, 0, 0.5, [], delay=0.3), rec(1, 0, 0.5, [], delay=0.1)], slo)
-    assert s["scheduling_delay_s"]["p50"] == pytest.approx(0.2) and s["scheduling_delay_source"] == "per-request"
+    assert (
+        s["scheduling_delay_s"]["p50"] == pytest.approx(0.2) and s["scheduling_delay_source"] == "per-request"
+    )
     s = summarize([rec(0, 0, 0.5, [])], slo, server_scheduling_delay={"p50": 0.7, "p95": 1, "p99": 2})
     assert s["scheduling_delay_s"]["p50"] == 0.7 and s["scheduling_delay_source"] == "server metrics"
 

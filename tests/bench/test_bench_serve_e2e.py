@@ -1,0 +1,83 @@
+"""`bench serve` against a real `stallfree serve` (subprocess on a free port): records complete and consistent.
+
+One server for the module, with an extra traffic cluster `tight` (maxWaiting=1, maxRunning=1) so a burst
+sent to it must meet 429s, which the load generator has to record as rejected, never drop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stallfree.bench import cli
+from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.metrics import OK, REJECTED, SLO
+from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.traces import TraceRequest, Workload
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    spec = ServerSpec(policy="sarathi", token_budget=64, max_num_seqs=8, num_kv_blocks=256,
+                      extra_args=["--traffic-cluster", "name=tight,header=tight,maxWaiting=1,maxRunning=1"])  # fmt: skip
+    with ServerProcess(spec, tmp_path_factory.mktemp("server") / "server.log") as s:
+        yield s
+
+
+def workload(lengths, gap):
+    reqs = tuple(TraceRequest(i, p, o, i * gap) for i, (p, o) in enumerate(lengths))
+    return Workload("test", 1.0, 8192, 0, 1 / gap, reqs, 0)
+
+
+def test_records_are_complete_and_consistent(server):
+    wl = workload([(90, 6), (20, 9), (150, 4), (40, 7)], gap=0.3)
+    summary, records = bench_once(server.url, wl, SLO(ttft=60, tbt=30), progress=False)
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    for r, req in zip(records, wl.requests, strict=True):
+        assert r.outcome == OK and r.status_code == 200, r.error
+        assert r.output_tokens == req.output_tokens  # max_tokens with ignore_eos, confirmed by usage
+        assert len(r.token_times) == req.output_tokens  # one chunk per token (logprobs)
+        assert r.sent >= r.arrival - 0.05  # open loop: sent on time
+        assert r.sent < r.first_token == r.token_times[0] <= r.token_times[-1] <= r.finish
+        assert r.ttft > 0 and r.e2e >= r.ttft and all(g >= 0 for g in r.tbts)
+    assert summary["outcomes"] == {"ok": 4, "rejected": 0, "error": 0, "timeout": 0}
+    assert summary["goodput_rps"] == pytest.approx(summary["throughput_rps"])  # loose SLOs: all good
+    # The server's own histograms saw exactly this run's requests and gaps.
+    srv = summary["server"]
+    assert srv["scheduling_delay_s"]["count"] == 4
+    assert srv["tbt_s"]["count"] == sum(req.output_tokens - 1 for req in wl.requests)
+    assert summary["scheduling_delay_source"] == "server metrics"
+    assert 0 <= summary["scheduling_delay_s"]["p50"] <= summary["ttft_s"]["p99"]
+
+
+def test_429s_are_recorded_as_rejected(server):
+    wl = workload([(30, 8)] * 6, gap=0.01)
+    summary, records = bench_once(
+        server.url, wl, SLO(ttft=60, tbt=30), traffic_cluster="tight", progress=False
+    )
+    outcomes = [r.outcome for r in records]
+    assert set(outcomes) <= {OK, REJECTED} and REJECTED in outcomes and OK in outcomes
+    for r in records:
+        if r.outcome == REJECTED:
+            assert r.status_code == 429 and r.first_token is None and "429" in r.error
+    assert summary["outcomes"]["rejected"] == outcomes.count(REJECTED)
+    assert summary["good_fraction"] < 1
+
+
+def test_bench_serve_command_writes_records_summary_and_plot(server, tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "num_prefill_tokens,num_decode_tokens\n" + "".join(f"{40 + 9 * i},{3 + i % 4}\n" for i in range(20))
+    )
+    rc = cli.main(["serve", "--url", server.url, "--trace", str(trace), "--scale", "0.5", "--qps", "4",
+                   "--num-requests", "5", "--slo-ttft", "60", "--slo-tbt", "30", "--out", str(tmp_path / "o")])  # fmt: skip
+    assert rc == 0
+    records = json.loads((tmp_path / "o" / "records.json").read_text())
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert len(records) == 5 and all(r["outcome"] == "ok" for r in records)
+    assert summary["workload"]["scale"] == 0.5 and summary["workload"]["num_requests"] == 5
+    assert (tmp_path / "o" / "serve.png").stat().st_size > 0
+    assert "goodput/s" in capsys.readouterr().out
