@@ -89,6 +89,28 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor x pipeline parallelism: T * P worker processes, one device (or CPU rank) each."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # A worker that sends nothing for this long while a micro-batch is in flight counts as dead.
+    step_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # path to a .gguf or a Hugging Face folder; None = bundled default
     dtype: str = "auto"
@@ -97,6 +119,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:

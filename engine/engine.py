@@ -63,20 +63,7 @@ class LLMEngine:
         self.num_kv_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(
-            self.loaded.model,
-            num_layers=mc.num_layers,
-            num_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            num_blocks=self.num_kv_blocks,
-            block_size=config.cache.block_size,
-            kv_dtype=self.dtype,
-            device=self.device,
-            attention_backend=config.attention_backend,
-            stop_token_ids=self.tokenizer.stop_token_ids,
-            seed=config.seed,
-        )
+        self.runner = self._make_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.stats_listeners: list[StatsListener] = []
         self.clock: Callable[[], float] = time.monotonic
@@ -91,6 +78,24 @@ class LLMEngine:
             self.num_kv_blocks,
             config.cache.block_size,
             self.runner.attention.name,
+        )
+
+    def _make_runner(self) -> ModelRunner:
+        """The in-process runner; the parallel engine overrides this with its worker executor."""
+        mc = self.model_config
+        return ModelRunner(
+            self.loaded.model,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            num_blocks=self.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+            kv_dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.config.attention_backend,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            seed=self.config.seed,
         )
 
     def _num_kv_blocks(self) -> int:
@@ -193,19 +198,26 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        now = self.clock()
         if sched.is_empty:
             return []
-        for c in sched.chunks:
-            req = self.scheduler.get(c.request_id)
-            if req is not None and req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        self._mark_scheduled(sched)
         try:
             run = self.runner.execute(sched)
         except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
             logger.exception("model forward failed; failing the %d requests in the batch", len(sched.chunks))
             return self._fail(sched, f"model execution failed: {type(e).__name__}: {e}")
         t2 = time.perf_counter()
+        return self._apply(sched, run, t1 - t0, t2)
+
+    def _mark_scheduled(self, sched) -> None:
+        now = self.clock()
+        for c in sched.chunks:
+            req = self.scheduler.get(c.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+
+    def _apply(self, sched, run, t_sched: float, t2: float) -> list[RequestOutput]:
+        """Append the sampled tokens of one finished iteration (or micro-batch), finish requests, report."""
         now = self.clock()
         results: list[RequestOutput] = []
         for rid, res in run.samples.items():
@@ -219,7 +231,7 @@ class LLMEngine:
             else:
                 results.append(self.outputs.make_output(req))
         t3 = time.perf_counter()
-        stats = self._stats(sched, run, t1 - t0, t3 - t2, now)
+        stats = self._stats(sched, run, t_sched, t3 - t2, now)
         self.last_stats = stats
         for listener in self.stats_listeners:
             listener(stats, results)
@@ -260,3 +272,12 @@ class LLMEngine:
             prefill_tokens_by_cluster=prefill_by,
             decode_tokens_by_cluster=decode_by,
         )
+
+
+def create_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLMEngine:
+    """LLMEngine, or the parallel engine over worker processes when T x P > 1."""
+    if config.parallel.world_size == 1:
+        return LLMEngine(config, loaded=loaded)
+    from stallfree.engine.parallel.engine import ParallelLLMEngine  # noqa: PLC0415 - only when asked for
+
+    return ParallelLLMEngine(config, loaded=loaded)

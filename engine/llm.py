@@ -12,11 +12,12 @@ from tqdm import tqdm
 from stallfree.engine.config import (
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     SchedulerTunables,
     TrafficClusterLimits,
 )
-from stallfree.engine.engine import LLMEngine
+from stallfree.engine.engine import create_engine
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.sampling_params import SamplingParams
 
@@ -29,7 +30,8 @@ class LLM:
 
     model=None serves the bundled SmolLM2-135M-Instruct; otherwise a .gguf file or a Hugging Face folder.
     policy: sarathi (stall-free batching), vllm, orca or static. token_budget caps the tokens of one
-    iteration (sarathi); chunk_align rounds prefill chunks to a tile.
+    iteration (sarathi); chunk_align rounds prefill chunks to a tile. tensor_parallel_size and
+    pipeline_parallel_size > 1 run the model in T x P worker processes (see docs/parallelism.md).
     """
 
     def __init__(
@@ -51,6 +53,8 @@ class LLM:
         seed: int = 0,
         traffic_clusters: Sequence[TrafficClusterLimits] = (),
         loaded_model: Any = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise ValueError(
@@ -63,6 +67,7 @@ class LLM:
             attention_backend=attention_backend,
             max_model_len=max_model_len,
             seed=seed,
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
             scheduler=SchedulerConfig(
                 policy=policy,
                 max_num_seqs=max_num_seqs,
@@ -74,7 +79,7 @@ class LLM:
                 block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb
             ),
         )
-        self.engine = LLMEngine(config, loaded=loaded_model)
+        self.engine = create_engine(config, loaded=loaded_model)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

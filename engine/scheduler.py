@@ -103,6 +103,9 @@ class Scheduler:
         self._last_was_prefill = False  # for sarathi without hybrid batching
         self._order = itertools.count()
         self._seq: dict[str, int] = {}
+        # Pipeline parallelism: requests whose micro-batch has not come back yet. NOTE: they are never
+        # scheduled or preempted until `complete` (their next token is not known, their blocks are in use).
+        self.in_flight: set[str] = set()
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -122,6 +125,7 @@ class Scheduler:
         if req is None:
             return None
         self._seq.pop(request_id, None)
+        self.in_flight.discard(request_id)
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -129,6 +133,14 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(request_id)
         return req
+
+    def mark_in_flight(self, out: SchedulerOutput) -> None:
+        """The micro-batch `out` was submitted: its requests sit out until `complete(out)`."""
+        self.in_flight.update(c.request_id for c in out.chunks)
+
+    def complete(self, out: SchedulerOutput) -> None:
+        """The micro-batch `out` came back: its requests may be scheduled again."""
+        self.in_flight.difference_update(c.request_id for c in out.chunks)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -180,7 +192,11 @@ class Scheduler:
         Returns False if `req` itself had to be preempted.
         """
         while not self.block_manager.allocate(req.request_id, num_tokens):
-            victims = [r for r in self.running if r is not req and r.request_id not in batch.scheduled]
+            victims = [
+                r
+                for r in self.running
+                if r is not req and r.request_id not in batch.scheduled and r.request_id not in self.in_flight
+            ]
             if not victims:
                 self._preempt(req, batch)
                 return False
@@ -203,8 +219,8 @@ class Scheduler:
 
     def _schedule_decodes(self, batch: _Batch) -> None:
         for req in sorted(self.running, key=self._key):
-            if req.status is not RequestStatus.RUNNING or not req.in_decode:
-                continue  # preempted earlier in this loop, or still prefilling
+            if req.status is not RequestStatus.RUNNING or not req.in_decode or req.request_id in self.in_flight:
+                continue  # preempted earlier in this loop, still prefilling, or in another micro-batch
             if batch.left < 1:
                 break
             if self._allocate_running(req, req.num_tokens, batch):
@@ -212,7 +228,12 @@ class Scheduler:
 
     def _schedule_running_prefills(self, batch: _Batch, whole: bool) -> None:
         for req in sorted(self.running, key=self._key):
-            if req.status is not RequestStatus.RUNNING or req.in_decode or req.request_id in batch.scheduled:
+            if (
+                req.status is not RequestStatus.RUNNING
+                or req.in_decode
+                or req.request_id in batch.scheduled
+                or req.request_id in self.in_flight
+            ):
                 continue
             n = self._chunk_size(req, batch, whole)
             if n == 0:

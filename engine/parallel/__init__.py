@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: sharded layers, worker ranks, the leader-side executor."""

@@ -1,0 +1,279 @@
+"""A rank process: its share of the model (one pipeline stage, one tensor-parallel slice), its slice of the
+KV cache, and a loop that runs every micro-batch the leader sends.
+
+Control messages (pickled over a multiprocessing connection, in this order on every worker):
+  leader -> worker  WorkerInit, then ("alloc", num_blocks), then ("step", mb, SchedulerOutput, released ids),
+                    ("stats",) or ("shutdown",)
+  worker -> leader  ("ready", rank, kv capacity in blocks); ("done", mb, samples, timings) from the sampling
+                    rank (last stage, tensor rank 0); ("stats", rank, records); ("error", rank, message)
+Tensors move between ranks only through torch.distributed: all-reduce / all-gather inside a stage's
+tensor-parallel group, hidden states from stage s to stage s + 1 (same tensor rank) by send/recv.
+
+NOTE: every worker receives the same micro-batches in the same order, and every stage runs them in that
+order; that FIFO rule is what makes the pipeline's KV writes and hidden-state hand-offs line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from stallfree.engine.attention import KVCache, build_metadata, make_attention
+from stallfree.engine.model.config import LlamaConfig
+from stallfree.engine.model_runner import flatten_batch
+from stallfree.engine.parallel.layers import Collective, NoCollective, head_shard
+from stallfree.engine.parallel.stage import StageModel, build_stage
+from stallfree.engine.sampler import Sampler, SampleRequest
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    rank: int
+    tp_size: int
+    pp_size: int
+    init_method: str  # torch.distributed rendezvous, e.g. tcp://10.0.0.1:29500
+    backend: str  # gloo (CPU) or nccl (CUDA)
+    device: str  # cpu, or cuda:<local rank>
+    dtype: torch.dtype
+    model_config: LlamaConfig
+    state: dict[str, Tensor] | None  # full weights in shared memory (same host), or None: load model_path
+    model_path: str | None
+    block_size: int
+    attention_backend: str
+    kv_cache_bytes: float | None  # per rank; None = 1 GiB on CPU, half the free memory on CUDA
+    stop_token_ids: frozenset[int]
+    seed: int
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+
+class DistCollective:
+    """The tensor-parallel group of one pipeline stage over torch.distributed."""
+
+    def __init__(self, group, size: int) -> None:
+        self.group, self.size = group, size
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: Tensor) -> Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _init_distributed(init: WorkerInit) -> Collective:
+    dist.init_process_group(
+        init.backend,
+        init_method=init.init_method,
+        rank=init.rank,
+        world_size=init.world_size,
+        timeout=timedelta(seconds=init.timeout_s),
+    )
+    comm: Collective = NoCollective()
+    if init.tp_size > 1:
+        for s in range(init.pp_size):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(s * init.tp_size, (s + 1) * init.tp_size)))
+            if s == init.stage:
+                comm = DistCollective(group, init.tp_size)
+    return comm
+
+
+class StageWorker:
+    """Runs micro-batches through this rank's stage; the sampling rank returns the sampled tokens."""
+
+    def __init__(self, init: WorkerInit, stage: StageModel, device: torch.device) -> None:
+        self.init, self.stage, self.device = init, stage, device
+        cfg = init.model_config
+        hs = head_shard(cfg.num_heads, cfg.num_kv_heads, init.tp_size, init.tp_rank)
+        self.num_heads, self.num_kv_heads = len(hs.q_heads), len(hs.kv_heads)
+        self.samples = stage.last and init.tp_rank == 0
+        self.sampler = Sampler(init.stop_token_ids, seed=init.seed, device=device) if stage.last else None
+        self.prev = init.rank - init.tp_size if not stage.first else None
+        self.next = init.rank + init.tp_size if not stage.last else None
+        self._pending_send: tuple[object, Tensor] | None = None
+        self.cache: KVCache | None = None
+        self.attention = None
+        self.records: list[tuple[int, float, float, float]] = []  # (mb, start, compute start, end) monotonic
+
+    def kv_block_bytes(self) -> int:
+        elt = torch.empty((), dtype=self.init.dtype).element_size()
+        cfg = self.init.model_config
+        return 2 * self.stage.num_layers * self.num_kv_heads * cfg.head_dim * elt * self.init.block_size
+
+    def capacity(self) -> int:
+        budget = self.init.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                budget = torch.cuda.mem_get_info(self.device)[0] * 0.5
+            else:
+                budget = CPU_KV_CACHE_BYTES
+        return max(1, int(budget // self.kv_block_bytes()))
+
+    def allocate(self, num_blocks: int) -> None:
+        cfg = self.init.model_config
+        self.cache = KVCache(
+            self.stage.num_layers, num_blocks, self.init.block_size, self.num_kv_heads, cfg.head_dim,
+            self.init.dtype, self.device,
+        )  # fmt: skip
+        self.attention = make_attention(
+            self.init.attention_backend, self.cache, self.num_heads, self.num_kv_heads, cfg.head_dim
+        )
+
+    @torch.inference_mode()
+    def run(self, mb: int, sched, released: tuple[str, ...]):
+        """Run one micro-batch through this stage. Returns (samples, timings) on the sampling rank."""
+        t0 = time.monotonic()
+        if self.sampler is not None:
+            for rid in released:
+                self.sampler.release(rid)
+        input_ids, positions = flatten_batch(sched, self.device)
+        meta = build_metadata(sched, self.init.block_size, self.device)
+        attend = self.attention.bind(meta)
+        if self.prev is None:
+            x = input_ids
+        else:
+            x = torch.empty(sched.num_tokens, self.init.model_config.hidden_size, dtype=self.init.dtype,
+                            device=self.device)  # fmt: skip
+            dist.recv(x, self.prev)  # (T, C) from the previous stage
+        t1 = time.monotonic()
+        hidden = self.stage(x, positions, attend)
+        if self.next is not None:
+            self._send(hidden)
+            self._sync()
+            self.records.append((mb, t0, t1, time.monotonic()))
+            return None
+        rows, reqs, offset = [], [], 0
+        for c in sched.chunks:
+            offset += c.num_tokens
+            if c.sample:
+                rows.append(offset - 1)
+                reqs.append(SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens))
+        samples = {}
+        if rows:
+            logits = self.stage.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # (N, V)
+            self._sync()
+            t2 = time.monotonic()
+            if self.samples:
+                assert self.sampler is not None
+                for r, res in zip(reqs, self.sampler.sample(logits, reqs), strict=True):
+                    samples[r.request_id] = res
+        else:
+            t2 = time.monotonic()
+        t3 = time.monotonic()
+        self.records.append((mb, t0, t1, t3))
+        return samples, (t1 - t0, t2 - t1, t3 - t2)
+
+    def _send(self, hidden: Tensor) -> None:
+        # One send in flight: wait for the previous one before posting the next (keeps its buffer alive).
+        if self._pending_send is not None:
+            self._pending_send[0].wait()
+        self._pending_send = (dist.isend(hidden.contiguous(), self.next), hidden)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the leader process is gone, even if this rank is stuck in a collective."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def worker_main(conn: Connection, init: WorkerInit, parent_pid: int | None = None) -> None:
+    """Entry point of a rank process (spawned by the executor, or by `run_node` on another node)."""
+    torch.set_num_threads(1)  # NOTE: one thread per rank; more stall on a shared CPU
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        worker = _start(conn, init)
+    except Exception as e:  # noqa: BLE001 - reported to the leader, which fails loudly
+        _report(conn, init.rank, f"worker rank {init.rank} failed to start: {type(e).__name__}: {e}")
+        return
+    _loop(conn, init, worker)
+
+
+def _start(conn: Connection, init: WorkerInit) -> StageWorker:
+    device = torch.device(init.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = _init_distributed(init)
+    state = init.state
+    if state is None:
+        from stallfree.engine.model.loader import load_model
+
+        state = load_model(init.model_path, dtype=init.dtype, device="cpu").model.state_dict()
+    stage = build_stage(
+        init.model_config, state, tp_size=init.tp_size, tp_rank=init.tp_rank, pp_size=init.pp_size,
+        stage=init.stage, comm=comm, device=device, dtype=init.dtype,
+    )  # fmt: skip
+    del state
+    worker = StageWorker(init, stage, device)
+    conn.send(("ready", init.rank, worker.capacity()))
+    kind, num_blocks = conn.recv()
+    if kind != "alloc":
+        raise RuntimeError(f"expected an alloc message, got {kind!r}")
+    worker.allocate(num_blocks)
+    return worker
+
+
+def _loop(conn: Connection, init: WorkerInit, worker: StageWorker) -> None:
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break  # the leader is gone
+        kind = msg[0]
+        if kind == "shutdown":
+            break
+        if kind == "stats":
+            conn.send(("stats", init.rank, list(worker.records)))
+            continue
+        _, mb, sched, released = msg
+        try:
+            out = worker.run(mb, sched, released)
+        except Exception as e:  # noqa: BLE001 - the leader turns this into an engine failure
+            _report(
+                conn, init.rank, f"worker rank {init.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            )
+            os._exit(1)  # peers blocked on this rank are killed by the leader
+        if out is not None and worker.samples:
+            conn.send(("done", mb, out[0], out[1]))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _report(conn: Connection, rank: int, message: str) -> None:
+    try:
+        conn.send(("error", rank, message))
+    except (OSError, EOFError):
+        pass
