@@ -69,7 +69,7 @@ def simulated(policy: str, trace: Trace, args, slos: list[float], slo: SLO) -> d
     if not args.cost_model:
         return None
     from stallfree.bench.costmodel import CostModel
-    from stallfree.bench.simulate import simulate_capacity
+    from stallfree.bench.simulate import contention_of, simulate_capacity
     from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig
 
     cfg = SimConfig(
@@ -80,6 +80,7 @@ def simulated(policy: str, trace: Trace, args, slos: list[float], slo: SLO) -> d
         max_model_len=args.max_model_len,
         chunk_align=args.chunk_align,
         overhead_s=args.overhead_ms / 1e3,
+        contention=contention_of(args.contention, CostModel.load(args.cost_model)),
     )
     return simulate_capacity(trace, args, CostModel.load(args.cost_model), cfg, slos, slo)
 

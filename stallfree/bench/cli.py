@@ -51,6 +51,8 @@ def _server_args(ap: argparse.ArgumentParser) -> None:
         "--cost-model", default=None, help="also report the simulator's prediction (cost_model.json)"
     )
     g.add_argument("--overhead-ms", type=float, default=0.0, help="simulator: extra time per iteration")
+    g.add_argument("--contention", default="1", help="simulator: multiply predicted iteration times; "
+                   "'profile' = the factor measured while profiling")  # fmt: skip
     ap.set_defaults(model_name=None)
 
 

@@ -14,6 +14,7 @@ profile.png (measured vs predicted, time vs prefill tokens).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -67,18 +68,26 @@ def _set_budget(engine, budget: int) -> None:
     engine.set_tunables(replace(engine.tunables, token_budget=max(1, budget)))
 
 
-def _measure(engine, cap: _Capture, steps: int) -> tuple[dict[str, float], float, list[float]]:
-    rows, times = [], []
+def _measure(engine, cap: _Capture, steps: int) -> tuple[dict[str, float], list[float], list[float]]:
+    """Run `steps` iterations; (mean features, wall seconds of each, CPU seconds of this thread for each)."""
+    rows, wall, cpu = [], [], []
     for _ in range(steps):
+        c0 = time.thread_time()
         engine.step()
+        cpu.append(time.thread_time() - c0)
         rows.append(costmodel.iteration_features(cap.last.chunks))
-        times.append(engine.last_stats.time_total)
+        wall.append(engine.last_stats.time_total)
     mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-    return mean, statistics.median(times), times
+    return mean, wall, cpu
 
 
-def profile_grid(loaded, decodes, decode_ctxs, chunks, prefill_ctxs, reps, bar) -> list[dict]:
-    """Run the grid; one point per configuration with mean features and median iteration time."""
+def profile_grid(
+    loaded, decodes, decode_ctxs, chunks, prefill_ctxs, reps, bar, clock: str = "cpu"
+) -> list[dict]:
+    """Run the grid; one point per configuration with mean features and median iteration time.
+
+    clock "cpu": the engine thread's CPU time (with one torch thread the forward runs on it), which on a
+    shared box measures the iteration and not the neighbours; "wall": elapsed time. Both are recorded."""
     from stallfree.engine.sampling_params import SamplingParams
 
     vocab = loaded.config.vocab_size
@@ -114,7 +123,7 @@ def profile_grid(loaded, decodes, decode_ctxs, chunks, prefill_ctxs, reps, bar) 
                             _set_budget(engine, n_dec + pctx)
                             engine.step()
                     _set_budget(engine, n_dec + c if c else n_dec)
-                    feats, t, all_t = _measure(engine, cap, reps)
+                    feats, wall, cpu = _measure(engine, cap, reps)
                     if c:
                         engine.abort_request("p")
                     points.append(
@@ -124,8 +133,9 @@ def profile_grid(loaded, decodes, decode_ctxs, chunks, prefill_ctxs, reps, bar) 
                             "chunk": c,
                             "prefill_context": pctx,
                             "features": feats,
-                            "time_s": t,
-                            "times_s": all_t,
+                            "time_s": statistics.median(cpu if clock == "cpu" else wall),
+                            "wall_s": wall,
+                            "cpu_s": cpu,
                         }
                     )
                     bar.update(1)
@@ -212,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M)")
     ap.add_argument("--decodes", default="0,8,32", help="running decodes per iteration")
     ap.add_argument("--decode-contexts", default="64,384", help="context length of the running decodes")
-    ap.add_argument("--chunks", default="0,32,128,384,1024", help="prefill chunk sizes (tokens)")
+    ap.add_argument("--chunks", default="0,64,256,768", help="prefill chunk sizes (tokens)")
     ap.add_argument("--prefill-contexts", default="0,512", help="tokens already prefilled before the chunk")
-    ap.add_argument("--reps", type=int, default=3, help="iterations per configuration (median kept)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="fit thread CPU time (robust "
+                    "on a shared box; needs --threads 1) or wall time")  # fmt: skip
+    ap.add_argument("--reps", type=int, default=2, help="iterations per configuration (median kept)")
     ap.add_argument("--holdout", type=float, default=0.25, help="fraction of configurations held out")
     ap.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
     ap.add_argument(
@@ -233,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.reps < 1 or not 0 <= args.holdout < 1:
         ap.error("--reps must be >= 1 and --holdout in [0, 1)")
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures the calling thread: use it with --threads 1, or use --clock wall")
     out = Path(args.out)
     loaded = load_model(args.model, dtype=torch.float32)
     n_states = sum(len(dctx) if d else 1 for d in decodes)
@@ -240,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(
         total=n_states * len(pctx) * len(chunks), desc="profile", unit="config", file=sys.stderr
     ) as bar:
-        points = profile_grid(loaded, decodes, dctx, chunks, pctx, args.reps, bar)
+        points = profile_grid(loaded, decodes, dctx, chunks, pctx, args.reps, bar, args.clock)
     model, fit_error = fit_with_holdout(points, args.holdout, args.seed)
     model.meta = {
         "model": loaded.name,
@@ -251,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "profile_wall_s": time.time() - t0,
         "fit_error": fit_error,
+        "clock": args.clock,
+        # How much slower wall time was than CPU time while profiling: 1.0 on an idle box. The simulator's
+        # --contention takes it to predict this box as it was.
+        "contention_factor": float(
+            np.median(
+                [statistics.median(p["wall_s"]) / max(1e-9, statistics.median(p["cpu_s"])) for p in points]
+            )
+        ),
+        "loadavg_1m": os.getloadavg()[0],
         "grid": {
             "decodes": decodes,
             "decode_contexts": dctx,
@@ -269,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         table(
             ["feature", "seconds per unit"], rows, title=f"cost model ({loaded.name}, {args.threads} threads)"
         )
+    )
+    print(
+        f"\nclock: {args.clock}; wall / CPU time while profiling (contention factor): "
+        f"{model.meta['contention_factor']:.2f}; load average {model.meta['loadavg_1m']:.1f}"
     )
     fe = fit_error["held_out"]
     print(

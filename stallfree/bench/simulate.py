@@ -83,6 +83,19 @@ def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: SLO, bar=N
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 
+def contention_of(arg: str | float, cost: CostModel) -> float:
+    """--contention: a factor, or 'profile' for the wall/CPU time factor measured while profiling."""
+    if str(arg) == "profile":
+        return float(cost.meta.get("contention_factor", 1.0))
+    try:
+        f = float(arg)
+    except ValueError as e:
+        raise ValueError(f"--contention must be a number or 'profile', got {arg!r}") from e
+    if f <= 0:
+        raise ValueError(f"--contention must be > 0, got {f}")
+    return f
+
+
 def plan_replicas(capacity_qps: float, target_qps: float) -> int | None:
     if capacity_qps <= 0:
         return None
@@ -144,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=DEFAULT_KV_BLOCKS)
     ap.add_argument("--chunk-align", type=int, default=0, help="round prefill chunks down to this tile")
     ap.add_argument("--overhead-ms", type=float, default=0.0, help="extra time per iteration (server loop)")
+    ap.add_argument("--contention", default="1", help="multiply predicted iteration times (a shared box); "
+                    "'profile' = the wall/CPU factor measured while profiling")  # fmt: skip
     ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate of the fixed-load run")
     ap.add_argument("--capacity", action="store_true", help="also search capacity under each --slo-tbt")
     ap.add_argument("--start-qps", type=float, default=1.0, help="capacity search: first QPS tried")
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 chunk_align=args.chunk_align,
                 overhead_s=args.overhead_ms / 1e3,
+                contention=contention_of(args.contention, cost),
             )
             for p in policies
             for b in (budgets if p.startswith("sarathi") else budgets[:1])

@@ -50,6 +50,7 @@ class SimConfig:
     max_model_len: int = 8192
     chunk_align: int = 0
     overhead_s: float = 0.0  # per-iteration time outside the profiled engine step (server loop, streaming)
+    contention: float = 1.0  # multiply the cost model's (idle-box) time: how much slower a shared box runs
 
     def scheduler(self) -> Scheduler:
         policy, hybrid = split_policy(self.policy)
@@ -117,7 +118,7 @@ def simulate(
             rec = records[int(c.request_id)]
             if rec.scheduling_delay is None:
                 rec.scheduling_delay = clock - rec.arrival
-        dt = cost.predict(iteration_features(out.chunks)) + config.overhead_s
+        dt = cost.predict(iteration_features(out.chunks)) * config.contention + config.overhead_s
         clock += dt
         res.busy_s += dt
         res.iteration_times.append(dt)

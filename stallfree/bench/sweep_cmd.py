@@ -26,6 +26,7 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | N
     if not args.cost_model:
         return None
     from stallfree.bench.costmodel import CostModel
+    from stallfree.bench.simulate import contention_of
     from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig, simulate
 
     cfg = SimConfig(
@@ -36,6 +37,7 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | N
         max_model_len=args.max_model_len,
         chunk_align=args.chunk_align,
         overhead_s=args.overhead_ms / 1e3,
+        contention=contention_of(args.contention, CostModel.load(args.cost_model)),
     )
     wl = make_workload(
         trace,
