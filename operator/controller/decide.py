@@ -288,7 +288,10 @@ def decide(
                     direction=1,
                 )
         fewer = settings.replicas - 1
-        if fewer >= max(cfg.replicas_min, 1) and r.demand < 0.5 * r.capacity * fewer:
+        # Capacity as it would be with one replica fewer: the same decodes on fewer engines leave less of
+        # each budget for prefill (judging by today's per-replica capacity would flip-flop with scale-out).
+        cap_fewer = prefill_capacity(model, b, r.n_decode * settings.replicas / max(fewer, 1), r.context)
+        if fewer >= max(cfg.replicas_min, 1) and r.demand < 0.5 * cap_fewer * fewer:
             return out(
                 replace(capped, replicas=fewer),
                 SCALE_IN,
