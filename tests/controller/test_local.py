@@ -1,0 +1,144 @@
+"""Local mode: the SarathiDeployment file checked against the CRD schema, and `stallfree up` end to end."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from promserver import free_port
+
+from stallfree.local.config import LocalConfigError, load, validate
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = REPO / "examples" / "local.yaml"
+
+
+def doc():
+    return yaml.safe_load(LOCAL.read_text())
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate(path):
+    raw = yaml.safe_load(path.read_text())
+    if raw["spec"].get("model", {}).get("source", {}).get("type") == "PersistentVolumeClaim":
+        with pytest.raises(LocalConfigError, match="PersistentVolumeClaim cannot run locally"):
+            validate(raw)
+    else:
+        assert load(path).name == raw["metadata"]["name"]
+
+
+def test_local_example_shape():
+    d = load(LOCAL)
+    assert [c.name for c in d.spec.traffic_clusters] == ["chat", "summarization"]
+    assert d.doc["spec"]["resources"]["gpuResourceName"] == "nvidia.com/gpu"  # defaults applied
+
+
+def mutate(fn):
+    d = doc()
+    fn(d)
+    return d
+
+
+BAD = [
+    (lambda d: d["spec"]["budget"].update(min=-1), "spec.budget.min: -1 is less than the minimum of 1"),
+    (lambda d: d["spec"]["budget"].update(intial=3), "spec.budget.intial: unknown field"),
+    (lambda d: d["spec"]["engine"].update(policy="fifo"), "spec.engine.policy: 'fifo' is not one of"),
+    (
+        lambda d: d["spec"]["budget"].update(initial=4096),
+        "budget.initial must lie in [budget.min, budget.max]",
+    ),
+    (lambda d: d["spec"]["budget"].update(initial=250), "multiples of budget.align"),
+    (
+        lambda d: d["spec"]["trafficClusters"][0].update(maxRunning=99),
+        "trafficClusters[0] (chat).maxRunning must not exceed",
+    ),
+    (lambda d: d["spec"]["trafficClusters"][1].update(chunkCap=4096), "chunkCap must not exceed budget.max"),
+    (
+        lambda d: d["spec"]["trafficClusters"][1]["match"].update(minPromptTokens=9000, maxPromptTokens=10),
+        "minPromptTokens must be <=",
+    ),
+    (
+        lambda d: d["spec"]["trafficClusters"].append(copy.deepcopy(d["spec"]["trafficClusters"][0])),
+        "names must be unique",
+    ),
+    (lambda d: d["spec"]["controller"].update(windowSeconds=1), "windowSeconds"),
+    (
+        lambda d: d["spec"]["slo"].update(ttftP99Seconds=0.1, tbtP99Seconds=0.2),
+        "slo.ttftP99Seconds must be at least",
+    ),
+    (lambda d: d["spec"]["replicas"].update(min=3, max=1), "replicas.min must be <= replicas.max"),
+    (lambda d: d["metadata"].update(name="Bad_Name"), "metadata.name must be a DNS label"),
+    (lambda d: d.update(kind="Deployment"), "apiVersion/kind must be"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_files_name_the_field(change, message):
+    with pytest.raises(LocalConfigError) as e:
+        validate(mutate(change))
+    assert message in str(e.value)
+
+
+def test_up_help_and_bad_file(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "stallfree", "up", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--prometheus" in out.stdout and "--admin-token" in out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(mutate(lambda d: d["spec"]["budget"].update(min=-1))))
+    out = subprocess.run([sys.executable, "-m", "stallfree", "up", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2 and "spec.budget.min" in out.stderr
+
+
+@pytest.mark.slow
+def test_up_serves_streams_reports_status_and_stops_children(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stallfree", "up", str(LOCAL), "--port", str(port), "--no-view"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("stallfree up never became ready")
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+            extra_headers={"x-traffic-cluster": "chat"},
+        )  # fmt: skip
+        assert r.choices[0].message.content
+        chunks = list(
+            client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt="Paris is", max_tokens=5, stream=True
+            )
+        )
+        assert len(chunks) >= 2
+        time.sleep(6)  # one control interval
+        status = httpx.get(f"{base}/admin/v1/status").json()
+        assert status["phase"] == "Ready" and status["budget"]["tokenBudget"] == 256
+        assert {c["name"] for c in status["trafficClusters"]} == {"chat", "summarization"}
+        assert "stallfree_controller_decisions_total" in httpx.get(f"{base}/metrics").text
+        engines = [e["url"] for e in status["engines"]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    for url in engines:  # children are gone
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
