@@ -168,6 +168,7 @@ class ParallelExecutor:
                     if rank in self.conns and self.conns[rank].poll():
                         obj = self.conns[rank]  # read its last words (an error report) first
                     else:
+                        self.procs[rank].join(1.0)  # reap it, so its exit code is known
                         code = self.procs[rank].exitcode
                         raise self._fail(
                             f"worker rank {rank} (pid {self.procs[rank].pid}) died, exit code {code}"
@@ -181,6 +182,15 @@ class ParallelExecutor:
                 if msg[0] == kind:
                     return msg
                 logger.warning("ignoring unexpected %r message from rank %d", msg[0], rank)
+
+    def _death(self, rank: int, what: str) -> str:
+        p = self.procs.get(rank)
+        if p is None:
+            return f"worker rank {rank} (on another node) {what}"
+        p.join(1.0)  # reap it, so its exit code is known
+        if p.exitcode is None:
+            return f"worker rank {rank} (pid {p.pid}) {what}"
+        return f"worker rank {rank} (pid {p.pid}) died, exit code {p.exitcode}"
 
     def _check(self) -> None:
         if self.dead is not None:

@@ -1,0 +1,8 @@
+"""The parallel tests' helpers live next to them (parallel_helpers.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
