@@ -55,7 +55,11 @@ def search_target(name: str, url: str, trace: Trace, args, slos: list[float], sl
         return s
 
     search = CapacitySearch(
-        evaluate, start_qps=args.start_qps, tolerance=args.tolerance, max_runs=args.max_runs
+        evaluate,
+        start_qps=args.start_qps,
+        tolerance=args.tolerance,
+        max_runs=args.max_runs,
+        min_qps=args.min_qps,
     )
     out = {}
     for tbt in sorted(slos, reverse=True):

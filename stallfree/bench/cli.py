@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, default=0.1, help="stop bisecting at this relative bracket width"
     )
     c.add_argument("--max-runs", type=int, default=8, help="new runs per search at most")
+    c.add_argument(
+        "--min-qps", type=float, default=0.05, help="give up below this QPS (capacity reported as 0)"
+    )
     c.add_argument("--out", default="results/capacity")
 
     w = sub.add_parser(

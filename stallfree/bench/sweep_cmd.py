@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
+from stallfree.bench.capacity_cmd import warm_up
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, summarize
 from stallfree.bench.report import ms, pyplot, table, write_json
@@ -48,6 +51,15 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | N
         seed=args.seed,
     )
     return summarize(simulate(wl, CostModel.load(args.cost_model), cfg).records, slo)
+
+
+def set_budget(url: str, budget: int) -> None:
+    """Change a running stallfree server's token budget (PATCH /admin/v1/config), and check it took."""
+    r = httpx.patch(f"{url}/admin/v1/config", json={"tokenBudget": budget}, timeout=10.0)
+    r.raise_for_status()
+    got = httpx.get(f"{url}/admin/v1/config", timeout=10.0).json()["tokenBudget"]
+    if got != budget:
+        raise RuntimeError(f"asked the server for token budget {budget}, it reports {got}")
 
 
 def _plot(rows: list[dict], out: Path) -> Path:
@@ -116,30 +128,20 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
     )
     rows = []
     t0 = time.time()
-    for policy, budget in configs:
-        spec = ServerSpec(
-            policy=policy,
-            token_budget=budget,
-            max_num_seqs=args.max_num_seqs,
-            num_kv_blocks=args.num_kv_blocks,
-            chunk_align=args.chunk_align,
-            model=args.model,
-            threads=args.threads,
-        )
-        print(f"{policy} budget {budget}: starting stallfree serve", file=sys.stderr, flush=True)
-        with ServerProcess(spec, out / f"server-{policy}-{budget}.log") as server:
-            from stallfree.bench.capacity_cmd import warm_up
-
+    for policy in dict.fromkeys(p for p, _ in configs):
+        mine = [b for p, b in configs if p == policy]
+        spec = ServerSpec(policy=policy, token_budget=mine[0], max_num_seqs=args.max_num_seqs,
+                          num_kv_blocks=args.num_kv_blocks, chunk_align=args.chunk_align, model=args.model,
+                          threads=args.threads)  # fmt: skip
+        print(f"{policy}: starting stallfree serve", file=sys.stderr, flush=True)
+        with ServerProcess(spec, out / f"server-{policy}.log") as server:
             warm_up(server.url, trace, args)
-            s, _ = bench_once(server.url, wl, slo, model=args.model_name, desc=f"{policy} b={budget}")
-        rows.append(
-            {
-                "policy": policy,
-                "token_budget": budget,
-                "measured": s,
-                "predicted": _predict(policy, budget, trace, args, slo),
-            }
-        )
+            for budget in mine:
+                # One server per policy; the budget changes at run time through the admin API.
+                set_budget(server.url, budget)
+                s, _ = bench_once(server.url, wl, slo, model=args.model_name, desc=f"{policy} b={budget}")
+                rows.append({"policy": policy, "token_budget": budget, "measured": s,
+                             "predicted": _predict(policy, budget, trace, args, slo)})  # fmt: skip
     wall = time.time() - t0
     path = write_json(
         out, "sweep.json", {"args": vars(args), "workload": wl.describe(), "wall_s": wall, "rows": rows}

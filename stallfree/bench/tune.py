@@ -23,9 +23,9 @@ from stallfree.bench.report import pyplot, table, write_json
 def worst_iteration(
     cost: CostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
 ) -> float:
-    """Predicted time of a full iteration: `decodes` decodes + a chunk filling the budget, at the end of a
-    prompt_len-token prompt (the deepest, costliest chunk)."""
-    chunk = max(0, min(budget - decodes, prompt_len))
+    """Predicted time of a full iteration: `decodes` decodes + prefill filling the rest of the budget (from
+    several prompts when one is shorter), the deepest chunk ending a prompt_len-token prompt."""
+    chunk = max(0, budget - decodes)
     return cost.iteration_time(chunk, decodes, max(0, prompt_len - chunk), decode_context)
 
 
