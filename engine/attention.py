@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from stallfree.engine.scheduler import SchedulerOutput
 
@@ -126,8 +127,8 @@ class KVCache:
 class TorchAttention:
     """Exact attention in plain torch (CPU, and the reference on any device).
 
-    GQA without repeating K/V: the g query heads that share a KV head are folded into the query length, so
-    one matmul per KV head serves all of them.
+    GQA without repeating K/V: decodes fold the g query heads that share a KV head into one einsum per KV
+    head; prefill chunks use SDPA's enable_gqa, which shares each KV head across its query heads.
     """
 
     name = "torch"
@@ -166,19 +167,21 @@ class TorchAttention:
 
     def _prefill(self, q, keys, vals, context_len: int) -> torch.Tensor:
         # q: (n, H, hd); keys/vals: (L, KVH, hd) with L = context_len + n
-        n, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        big_l = keys.shape[0]
-        qg = q.view(n, kvh, g, hd).permute(1, 2, 0, 3).reshape(kvh, g * n, hd)  # rows ordered (g, n)
-        kk = keys.to(q.dtype).transpose(0, 1)  # (KVH, L, hd)
-        vv = vals.to(q.dtype).transpose(0, 1)
-        # Query i (absolute position context_len + i) sees keys 0 .. context_len + i.
-        qpos = torch.arange(n, device=q.device) + context_len
-        allowed = torch.arange(big_l, device=q.device)[None, :] <= qpos[:, None]  # (n, L)
-        mask = allowed.repeat(g, 1)  # (g*n, L)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qg, kk, vv, attn_mask=mask, scale=self.scale
-        )  # (KVH, g*n, hd)
-        return o.view(kvh, g, n, hd).permute(2, 0, 1, 3).reshape(n, kvh * g, hd)
+        n, big_l = q.shape[0], keys.shape[0]
+        qq = q.transpose(0, 1)[None]  # (1, H, n, hd)
+        kk = keys.to(q.dtype).transpose(0, 1)[None]  # (1, KVH, L, hd): enable_gqa shares it across g heads
+        vv = vals.to(q.dtype).transpose(0, 1)[None]
+        if context_len == 0:
+            # A whole prompt or a first chunk: plain causal, which lets the kernel skip the masked half.
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            # Query i (absolute position context_len + i) sees keys 0 .. context_len + i.
+            qpos = torch.arange(n, device=q.device) + context_len
+            allowed = torch.arange(big_l, device=q.device)[None, :] <= qpos[:, None]  # (n, L)
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=allowed, scale=self.scale, enable_gqa=True
+            )
+        return o[0].transpose(0, 1)  # (n, H, hd)
 
 
 class FlashInferAttention:
