@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("stallfree.bench.tune", "derive a token budget from a TBT SLO and a cost model"),
     "simulate": ("stallfree.bench.simulate", "discrete-event simulation with the real scheduler"),
     "engine-bench": ("stallfree.engine.bench", "engine micro-benchmarks: chunking overhead, decode, overhead"),
+    "serve-bench": ("stallfree.engine.server.bench_http", "HTTP serving vs offline LLM.generate: throughput, added latency"),
 }
 
 
