@@ -182,6 +182,9 @@ class LLMEngine:
             return None
         return self._finalize(req)
 
+    def check_health(self) -> None:
+        """Raise if the engine can no longer run (the parallel engine: a worker died). No-op here."""
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

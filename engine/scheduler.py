@@ -219,7 +219,11 @@ class Scheduler:
 
     def _schedule_decodes(self, batch: _Batch) -> None:
         for req in sorted(self.running, key=self._key):
-            if req.status is not RequestStatus.RUNNING or not req.in_decode or req.request_id in self.in_flight:
+            if (
+                req.status is not RequestStatus.RUNNING
+                or not req.in_decode
+                or req.request_id in self.in_flight
+            ):
                 continue  # preempted earlier in this loop, still prefilling, or in another micro-batch
             if batch.left < 1:
                 break

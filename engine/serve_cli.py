@@ -56,10 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    m.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallelism (only 1 for now)")
     m.add_argument(
-        "--pipeline-parallel-size", type=int, default=1, help="pipeline parallelism (only 1 for now)"
+        "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (worker processes)"
     )
+    m.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages; across pods the "
+                   "ranks come from STALLFREE_NODE_RANK/NUM_NODES/LEADER_ADDRESS (docs/parallelism.md)")  # fmt: skip
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     s = p.add_argument_group("scheduling")
     s.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default: sarathi)")
@@ -100,7 +101,7 @@ def _fail(msg: str) -> int:
 
 def build_configs(args: argparse.Namespace):
     """(EngineConfig, ServerSettings) from parsed arguments. Raises ValueError with a user-facing message."""
-    from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stallfree.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from stallfree.engine.paths import DEFAULT_MODEL_NAME
     from stallfree.engine.server.state import ServerSettings
     from stallfree.engine.server.traffic import (
@@ -115,10 +116,11 @@ def build_configs(args: argparse.Namespace):
         v = getattr(args, flag)
         if v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-        if v > 1:
-            raise ValueError(
-                f"--{flag.replace('_', '-')} {v} is not supported yet: this build runs a model on one device"
-            )
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    if parallel.world_size > 1:
+        from stallfree.engine.parallel.env import read_contract
+
+        read_contract().ranks(parallel.world_size)  # a bad multi-node environment fails here, clearly
     if args.token_budget < 1:
         raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
     if not 0 < args.port < 65536:
@@ -146,6 +148,7 @@ def build_configs(args: argparse.Namespace):
         device=args.device,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        parallel=parallel,
         scheduler=SchedulerConfig(
             policy=args.policy,
             max_num_seqs=args.max_num_seqs,
@@ -180,12 +183,22 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         return _fail(str(e))
 
+    world = engine_config.parallel.world_size
+    if world > 1:
+        from stallfree.engine.parallel.env import read_contract
+
+        contract = read_contract()
+        if not contract.is_leader:  # a follower pod: run this node's ranks, serve no HTTP
+            from stallfree.engine.parallel.executor import run_remote_ranks
+
+            return run_remote_ranks(contract, world)
+
     import uvicorn
 
-    from stallfree.engine.engine import LLMEngine
+    from stallfree.engine.engine import create_engine
     from stallfree.engine.server.app import build_app
 
-    app = build_app(settings, lambda: LLMEngine(engine_config))
+    app = build_app(settings, lambda: create_engine(engine_config))
     state = app.state.server
 
     class _Server(uvicorn.Server):

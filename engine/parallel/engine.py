@@ -130,6 +130,16 @@ class ParallelLLMEngine(LLMEngine):
         self.scheduler.complete(sched)
         return self._apply(sched, run, t_sched, time.perf_counter())
 
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a worker died while the engine was idle (the server's loop asks)."""
+        if self.dead is not None:
+            raise WorkerFailedError(self.dead)
+        try:
+            self.runner.check_health()
+        except WorkerFailedError as e:
+            self._die(str(e))
+            raise
+
     def _die(self, message: str) -> None:
         """Fail every request still in the engine; later calls raise."""
         self.dead = message

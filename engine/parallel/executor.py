@@ -137,6 +137,20 @@ class ParallelExecutor:
         self._broadcast(("stats",))
         return self._gather("stats", self.template.timeout_s)
 
+    def check_health(self) -> None:
+        """Between steps: raise WorkerFailedError if a rank exited or said something unasked (an error)."""
+        self._check()
+        for rank, p in self.procs.items():
+            if not p.is_alive():
+                raise self._fail(self._death(rank, "died"))
+        for rank, conn in self.conns.items():
+            if conn.poll():
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError) as e:
+                    raise self._fail(self._death(rank, f"closed its connection ({type(e).__name__})")) from e
+                raise self._fail(msg[2] if msg[0] == "error" else f"unexpected {msg[0]!r} from rank {rank}")
+
     # ---- plumbing ----------------------------------------------------------------------------------
     def _broadcast(self, msg) -> None:
         self._check()

@@ -200,6 +200,7 @@ class AsyncEngine:
                 self._wakeup.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_health()  # a dead parallel worker makes /ready not-ready
                     self._wakeup.wait(IDLE_POLL_S)
                     continue
                 outs = self.engine.step()

@@ -32,8 +32,8 @@ def test_help_is_clear(capsys):
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["--tensor-parallel-size", "2"], "not supported yet"),
-        (["--pipeline-parallel-size", "4"], "not supported yet"),
+        (["--tensor-parallel-size", "0"], "must be >= 1"),
+        (["--pipeline-parallel-size", "0"], "must be >= 1"),
         (["--model", "/no/such/model"], "no such file"),
         (["--traffic-cluster", "name=chat,chunkCap=0"], "chunkCap must be >= 1"),
         (["--token-budget", "0"], "--token-budget must be >= 1"),
