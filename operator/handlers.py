@@ -2,7 +2,7 @@
 
 Handlers are registered on a registry built by make_registry(config), so start-up settings (the timer
 period among them) are read once and passed down. A per-resource timer for the budget controller
-(stallfree.operator.controller) can be added to the same registry later.
+(stallfree.operator.controller) is added to the same registry.
 """
 
 from __future__ import annotations
@@ -114,6 +114,10 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         meta = body["metadata"]
         refresh_status(memo.reconciler, meta["namespace"], meta["labels"][LABEL_DEPLOYMENT])
 
+    # The budget controller: one timer per SarathiDeployment on the same registry (issue 6).
+    from stallfree.operator.controller.kopf_timer import register as register_budget_controller
+
+    register_budget_controller(registry, config)
     return registry
 
 
