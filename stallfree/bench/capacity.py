@@ -62,6 +62,12 @@ class CapacitySearch:
         ok = [q for q, s in self.runs.items() if passes(s) and (hi is None or q < hi)]
         return (max(ok) if ok else None), hi
 
+    def bracket(self, passes: Passes) -> tuple[float, float | None]:
+        """(largest passing, smallest failing) QPS over every run so far: a later search's runs can
+        tighten an earlier search's bracket without running anything."""
+        lo, hi = self._bracket(passes)
+        return (lo or 0.0), hi
+
     def search(self, passes: Passes) -> SearchResult:
         """Find the capacity under one criterion, reusing every run made so far."""
         seen: list[float] = []

@@ -66,6 +66,9 @@ def search_target(name: str, url: str, trace: Trace, args, slos: list[float], sl
         r = search.search(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
         out[str(tbt)] = r.to_json()
         log(f"  {name}: capacity at P99 TBT <= {tbt * 1e3:.0f} ms: {r.capacity_qps:.3g} QPS {r.note}")
+    for tbt in slos:  # every run informs every SLO: tighten each bracket with the later searches' runs
+        lo, hi = search.bracket(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
+        out[str(tbt)].update(final_bracket=[lo, hi], capacity_qps=lo)
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 

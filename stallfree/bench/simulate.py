@@ -80,6 +80,9 @@ def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: SLO, bar=N
     for tbt in sorted(slos, reverse=True):  # relaxed first: its bracket narrows the strict one's
         r = search.search(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
         out[str(tbt)] = r.to_json()
+    for tbt in slos:  # every run informs every SLO: tighten each bracket with the later searches' runs
+        lo, hi = search.bracket(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
+        out[str(tbt)].update(final_bracket=[lo, hi], capacity_qps=lo)
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 

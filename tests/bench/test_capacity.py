@@ -88,3 +88,12 @@ def test_replica_plan():
     assert plan_replicas(2.0, 5.0) == 3
     assert plan_replicas(2.0, 4.0) == 2
     assert plan_replicas(0.0, 4.0) is None
+
+
+def test_later_runs_tighten_an_earlier_searchs_bracket():
+    s = CapacitySearch(latency_curve, start_qps=1.0, tolerance=0.3, max_runs=30)
+    relaxed = s.search(lambda run: run["p99"] <= 0.9)
+    s.search(lambda run: run["p99"] <= 0.3)
+    s.run(8.5)  # e.g. a run another search needed
+    lo, hi = s.bracket(lambda run: run["p99"] <= 0.9)
+    assert lo == 8.5 >= relaxed.capacity_qps and hi <= relaxed.bracket[1]
