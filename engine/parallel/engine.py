@@ -18,8 +18,8 @@ import weakref
 from collections import deque
 
 from stallfree.engine.config import EngineConfig
-from stallfree.engine.engine import LLMEngine
-from stallfree.engine.model.loader import LoadedModel
+from stallfree.engine.engine import LLMEngine, resolve_device, resolve_dtype
+from stallfree.engine.model.loader import LoadedModel, load_model
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.parallel.env import NodeContract, read_contract
 from stallfree.engine.parallel.executor import ParallelExecutor, WorkerFailedError, free_port, share_weights
@@ -46,7 +46,15 @@ class ParallelLLMEngine(LLMEngine):
         self.dead: str | None = None
         self._in_flight: deque[tuple[object, float]] = deque()
         self.executor: ParallelExecutor | None = None
-        super().__init__(config, loaded)
+        if loaded is None:  # NOTE: the leader keeps the full weights on the CPU; ranks copy their slices
+            dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+            loaded = load_model(config.model, dtype=dtype, device="cpu")
+        try:
+            super().__init__(config, loaded)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
 
     # ---- construction hooks ------------------------------------------------------------------------

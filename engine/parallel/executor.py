@@ -133,7 +133,7 @@ class ParallelExecutor:
         return self.collect()
 
     def stats(self) -> dict[int, list]:
-        """Every rank's (micro-batch, start, compute start, end) records (monotonic seconds)."""
+        """Every rank's (micro-batch, tokens, start, compute start, compute end, end) records (monotonic s)."""
         self._broadcast(("stats",))
         return self._gather("stats", self.template.timeout_s)
 

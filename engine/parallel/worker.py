@@ -120,7 +120,8 @@ class StageWorker:
         self._pending_send: tuple[object, Tensor] | None = None
         self.cache: KVCache | None = None
         self.attention = None
-        self.records: list[tuple[int, float, float, float]] = []  # (mb, start, compute start, end) monotonic
+        # (mb, tokens, start, compute start, compute end, end), monotonic seconds; for the bubble figures
+        self.records: list[tuple[int, int, float, float, float, float]] = []
 
     def kv_block_bytes(self) -> int:
         elt = torch.empty((), dtype=self.init.dtype).element_size()
@@ -165,9 +166,10 @@ class StageWorker:
         t1 = time.monotonic()
         hidden = self.stage(x, positions, attend)
         if self.next is not None:
-            self._send(hidden)
             self._sync()
-            self.records.append((mb, t0, t1, time.monotonic()))
+            tc = time.monotonic()
+            self._send(hidden)
+            self.records.append((mb, sched.num_tokens, t0, t1, tc, time.monotonic()))
             return None
         rows, reqs, offset = [], [], 0
         for c in sched.chunks:
@@ -187,7 +189,7 @@ class StageWorker:
         else:
             t2 = time.monotonic()
         t3 = time.monotonic()
-        self.records.append((mb, t0, t1, t3))
+        self.records.append((mb, sched.num_tokens, t0, t1, t3, t3))
         return samples, (t1 - t0, t2 - t1, t3 - t2)
 
     def _send(self, hidden: Tensor) -> None:
