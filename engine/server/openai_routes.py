@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.server.async_engine import AsyncEngine, RequestStream
@@ -124,10 +125,14 @@ async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, p
     rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint)
     builder = ResponseBuilder(kind, request_id, state.model_name, engine.engine.tokenizer, include_usage)
     if stream:
+        release = _releaser(engine, rs)
+        # NOTE: if the client leaves before the body starts, the generator never runs and its finally never
+        # fires; the background task runs after the response either way, so the request is still aborted.
         return StreamingResponse(
-            _stream(engine, rs, builder, include_usage),
+            _stream(rs, builder, include_usage, release),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(release),
         )
     try:
         out = await _collect(engine, rs, request)
@@ -166,8 +171,25 @@ async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> 
             engine.abort(rs.request_id)
 
 
+def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[None]]:
+    """Abort the request if it is still running and count the handler done: once, however often called."""
+    released = False
+
+    async def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        if not rs.finished:
+            logger.info("stream of %s ended early (client gone); aborting it", rs.request_id)
+            engine.abort(rs.request_id)
+        engine.request_done()
+
+    return release
+
+
 async def _stream(
-    engine: AsyncEngine, rs: RequestStream, builder: ResponseBuilder, include_usage: bool
+    rs: RequestStream, builder: ResponseBuilder, include_usage: bool, release: Callable[[], Awaitable[None]]
 ) -> AsyncIterator[str]:
     try:
         first = builder.first_chunk()
@@ -185,10 +207,7 @@ async def _stream(
                 yield builder.usage_chunk(out)
         yield SSE_DONE
     finally:
-        if not rs.finished:
-            logger.info("stream of %s ended early (client gone); aborting it", rs.request_id)
-            engine.abort(rs.request_id)
-        engine.request_done()
+        await release()
 
 
 def error_response(err: APIError) -> JSONResponse:

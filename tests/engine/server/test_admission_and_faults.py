@@ -122,3 +122,26 @@ def test_dead_engine_loop_fails_requests_and_turns_unready(fresh, monkeypatch):
     assert httpx.get(f"{fresh.url}/health").status_code == 503
     r = _post(fresh.url, {"prompt": "Hi", "max_tokens": 4})
     assert r.status_code == 503 and "engine loop stopped" in r.json()["error"]["message"]
+
+
+def test_disconnect_before_the_stream_starts_still_aborts(server):
+    """A client that sends a streaming request and hangs up at once: the request must not run on."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    aborted = server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+    body = json.dumps({"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True, "stream": True})
+    u = urlparse(server.url)
+    auth = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+    raw = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n{auth}Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    )
+    with socket.create_connection((u.hostname, u.port)) as sock:
+        sock.sendall(raw.encode())
+    assert wait_for(lambda: server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+                    == aborted + 1)  # fmt: skip
+    assert wait_for(lambda: _idle(server)), "the request kept running after its client left"
+    # The handler counted itself done, so a drain would not wait for it forever.
+    assert wait_for(lambda: server.state.engine.num_in_flight == 0)
