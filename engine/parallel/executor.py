@@ -192,10 +192,21 @@ class ParallelExecutor:
                 except (EOFError, OSError) as e:
                     raise self._fail(f"worker rank {rank} closed its connection ({type(e).__name__})") from e
                 if msg[0] == "error":
-                    raise self._fail(msg[2])
+                    raise self._fail(self._root_cause(rank, msg[2]))
                 if msg[0] == kind:
                     return msg
                 logger.warning("ignoring unexpected %r message from rank %d", msg[0], rank)
+
+    def _root_cause(self, reporter: int, error: str) -> str:
+        """A rank's error is often the echo of a peer's death (gloo: connection reset): name the dead peer."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for rank, p in self.procs.items():
+                if rank != reporter and not p.is_alive():
+                    first = error.strip().splitlines()[0]
+                    return f"{self._death(rank, 'died')} (then rank {reporter}: {first})"
+            time.sleep(0.05)
+        return error
 
     def _death(self, rank: int, what: str) -> str:
         p = self.procs.get(rank)
