@@ -9,7 +9,7 @@ import psutil
 import pytest
 from parallel_helpers import make_parallel_llm, prompts_for
 
-from stallfree.engine import SamplingParams
+from stallfree.engine import LLM, SamplingParams
 from stallfree.engine.parallel.executor import WorkerFailedError
 
 DETECT_S = 10.0  # kill -> error, including stopping the other ranks (polls every 0.2 s, 3 s grace)
@@ -46,3 +46,33 @@ def test_killed_worker_fails_the_engine_cleanly(default_model):
     finally:
         timer.cancel()
         eng.shutdown()
+
+
+def test_worker_dying_while_idle_is_noticed_by_check_health(default_model):
+    llm = make_parallel_llm(default_model, pp=2)
+    eng = llm.engine
+    try:
+        eng.check_health()  # all well
+        os.kill(eng.executor.procs[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + DETECT_S
+        with pytest.raises(WorkerFailedError, match="worker rank 1"):
+            while time.monotonic() < deadline:
+                eng.check_health()
+                time.sleep(0.1)
+        with pytest.raises(WorkerFailedError):
+            eng.step()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"tensor_parallel_size": 16}, "too large"),  # 9 query heads in 3 KV groups
+        ({"pipeline_parallel_size": 31}, "exceeds the model's 30 layers"),
+        ({"tensor_parallel_size": 0}, "positive integer"),
+    ],
+)
+def test_impossible_layouts_are_refused_before_any_worker_starts(default_model, kw, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(loaded_model=default_model, num_kv_blocks=16, **kw)
