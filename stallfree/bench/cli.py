@@ -28,13 +28,16 @@ example (CPU, SmolLM2-135M, summarization trace at 1/8 length):
 """
 CAPACITY_EXAMPLE = """\
 example:
-  stallfree bench capacity --policies sarathi,vllm,orca --trace arxiv --scale 0.125 --num-requests 40 \\
-      --slo-tbt 0.25,1.0 --token-budget 256 --cost-model results/profile/cost_model.json --out results/cap
+  stallfree bench capacity --policies sarathi,vllm,orca --trace arxiv --scale 0.125 --num-requests 16 \\
+      --slo-tbt 2.0,6.0 --token-budget 256 --start-qps 0.25 --tolerance 0.25 --max-runs 4 \\
+      --cost-model results/profile/cost_model.json --out results/capacity
+  (SLOs in seconds for a 2-core CPU; see docs/benchmarks.md for how they were derived)
 """
 SWEEP_EXAMPLE = """\
 examples:
-  stallfree bench sweep --policies sarathi,sarathi-nohybrid,orca --qps 1 --out results/ablation
-  stallfree bench sweep --policies sarathi --token-budgets 128,256,512,1024,2048 --qps 1 --out results/budgets
+  stallfree bench sweep --policies sarathi,sarathi-nohybrid,orca --qps 0.3 --scale 0.125 --out results/ablation
+  stallfree bench sweep --policies sarathi --token-budgets 128,256,512,1024,2048 --qps 0.3 --scale 0.125 \\
+      --out results/budgets
 """
 
 
