@@ -46,7 +46,9 @@ def search_target(name: str, url: str, trace: Trace, args, slos: list[float], sl
             seed=args.seed,
         )
         t0 = time.time()
-        s, _ = bench_once(url, wl, slo, model=args.model_name, desc=f"{name} @ {qps:.3g} qps")
+        s, _ = bench_once(
+            url, wl, slo, model=args.model_name, logprobs=not args.no_logprobs, desc=f"{name} @ {qps:.3g} qps"
+        )
         s["wall_s"] = time.time() - t0
         log(
             f"  {name} @ {qps:.3g} QPS: P99 TBT {s['tbt_s']['p99']}, P50 sched {s['scheduling_delay_s']['p50']}, "

@@ -139,7 +139,14 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
             for budget in mine:
                 # One server per policy; the budget changes at run time through the admin API.
                 set_budget(server.url, budget)
-                s, _ = bench_once(server.url, wl, slo, model=args.model_name, desc=f"{policy} b={budget}")
+                s, _ = bench_once(
+                    server.url,
+                    wl,
+                    slo,
+                    model=args.model_name,
+                    logprobs=not args.no_logprobs,
+                    desc=f"{policy} b={budget}",
+                )
                 rows.append({"policy": policy, "token_budget": budget, "measured": s,
                              "predicted": _predict(policy, budget, trace, args, slo)})  # fmt: skip
     wall = time.time() - t0
