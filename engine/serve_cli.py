@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "traffic clusters file's tokenBudget overrides it")  # fmt: skip
     s.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     s.add_argument("--chunk-align", type=int, default=0, help="round prefill chunks to this tile (0 = off)")
+    s.add_argument("--no-hybrid-batching", dest="hybrid_batching", action="store_false",
+                   help="sarathi only: prefill chunks and decodes take turns instead of sharing iterations "
+                   "(the paper's chunking-only ablation)")  # fmt: skip
     s.add_argument("--traffic-clusters", metavar="FILE", default=None, help="YAML/JSON traffic clusters file")
     s.add_argument("--traffic-cluster", metavar="SPEC", action="append", default=[],
                    help="a cluster inline, repeatable: name=chat,header=chat,chunkCap=256,maxWaiting=64,"
@@ -153,6 +156,7 @@ def build_configs(args: argparse.Namespace):
             policy=args.policy,
             max_num_seqs=args.max_num_seqs,
             chunk_align=traffic.chunk_align,
+            hybrid_batching=args.hybrid_batching,
             tunables=traffic.tunables(),
         ),
         cache=CacheConfig(

@@ -1,8 +1,7 @@
 """Start and stop `stallfree serve` for a benchmark: one process per policy, on a free local port.
 
 The server's output goes to a log file next to the results. `sarathi-nohybrid` (the paper's chunking-only
-ablation) runs the same server through `stallfree.bench.serve_variant`, which turns hybrid batching off in
-the scheduler config, until `stallfree serve` has a flag for it.
+ablation) is `stallfree serve --policy sarathi --no-hybrid-batching`.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class ServerSpec:
         policy, hybrid = split_policy(self.policy)
         head = [sys.executable, "-m", "stallfree", "serve"]
         if not hybrid:
-            head = [sys.executable, "-m", "stallfree.bench.serve_variant", "--no-hybrid-batching"]
+            head.append("--no-hybrid-batching")
         cmd = [*head, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                "--token-budget", str(self.token_budget), "--max-num-seqs", str(self.max_num_seqs),
                "--chunk-align", str(self.chunk_align), "--log-level", "warning"]  # fmt: skip

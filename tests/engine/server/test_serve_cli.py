@@ -96,3 +96,15 @@ def test_sigterm_drains_in_flight_requests_then_exits():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_scheduling_flags_reach_the_engine_config():
+    from stallfree.engine.serve_cli import build_configs, build_parser
+
+    args = build_parser().parse_args(["--policy", "sarathi", "--token-budget", "96", "--chunk-align", "32"])
+    config, _ = build_configs(args)
+    assert config.scheduler.hybrid_batching is True
+    assert config.scheduler.tunables.token_budget == 96 and config.scheduler.chunk_align == 32
+    args = build_parser().parse_args(["--no-hybrid-batching"])
+    config, _ = build_configs(args)
+    assert config.scheduler.hybrid_batching is False  # the paper's chunking-only ablation
