@@ -80,8 +80,11 @@ def merge_conditions(old: list[dict] | None, new: list[dict], now: str | None = 
     out = []
     for c in new:
         prev = by_type.pop(c["type"], None)
-        same = prev is not None and prev.get("status") == c["status"] and prev.get("lastTransitionTime")
-        out.append({**c, "lastTransitionTime": prev["lastTransitionTime"] if same else now})
+        if prev is not None and prev.get("status") == c["status"] and prev.get("lastTransitionTime"):
+            since = prev["lastTransitionTime"]  # status unchanged: keep when it last moved
+        else:
+            since = now
+        out.append({**c, "lastTransitionTime": since})
     out.extend(c for c in by_type.values() if c.get("type"))
     return out
 

@@ -87,10 +87,10 @@ class PrometheusSource:
                 if name in values and (v := _num(row["value"][1])) is not None:
                     values[name][field] = v
         snaps = {}
-        for name, v in values.items():
-            arrivals, prompt = v.get("arrival_rate", 0.0), v.get("prefill_token_rate", 0.0)
+        for name, signals in values.items():
+            arrivals, prompt = signals.get("arrival_rate", 0.0), signals.get("prefill_token_rate", 0.0)
             snaps[name] = ClusterSnapshot(
-                name=name, mean_context=prompt / arrivals if arrivals > 0 else 0.0, **v
+                name=name, mean_context=prompt / arrivals if arrivals > 0 else 0.0, **signals
             )
         self.last_replicas = self._replicas(window_s)
         return Snapshot(
