@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,9 +48,10 @@ class Req:
 
 
 def build_workload(
-    phase_s: float, chat_qps: float, summ_qps: float, scale: float, seed: int
+    phase_s: float, chat_qps: float, summ_qps: float, scale: tuple[float, float], seed: int
 ) -> tuple[list[Req], list[float]]:
-    """Phases: chat | chat+summarization | chat | chat+summarization. Returns requests and phase starts."""
+    """Phases: chat | chat+summarization | chat | chat+summarization. Returns requests and phase starts.
+    `scale` is the CPU length scaling for (chat, summarization)."""
     from stallfree.bench.traces import load_trace, scale_and_clip
 
     chat_t = load_trace("sharegpt")
@@ -82,7 +83,7 @@ class Rec:
     req: Req
     first_token: float | None = None
     scheduled: float | None = None
-    tokens: list[float] | None = None
+    tokens: list[float] = field(default_factory=list)  # sample times, one per output token
     done: bool = False
 
 
@@ -211,8 +212,8 @@ def score(recs: list[Rec], specs, starts: list[float], phase_s: float) -> dict:
     per_phase = []
     for t0 in starts:
         mine = [r for r in recs if t0 <= r.req.arrival < t0 + phase_s]
-        good = sum(meets(r, slo[r.req.cluster]) for r in mine)
-        per_phase.append({"requests": len(mine), "good": good, "goodput": good / phase_s})
+        phase_good = sum(meets(r, slo[r.req.cluster]) for r in mine)
+        per_phase.append({"requests": len(mine), "good": phase_good, "goodput": phase_good / phase_s})
     good = sum(p["good"] for p in per_phase)
     total = sum(p["requests"] for p in per_phase)
     return {
