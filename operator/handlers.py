@@ -72,7 +72,6 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
 
 def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    cr = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -89,26 +88,46 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             config.resync_seconds,
         )
 
-    @kopf.on.create(**cr, id="reconcile")
-    @kopf.on.update(**cr, id="reconcile")
-    @kopf.on.resume(**cr, id="reconcile")
+    # The resource filters are spelled out on each decorator (not **dict) so they stay type-checked.
+    @kopf.on.create(group=GROUP, version=VERSION, plural=PLURAL, id="reconcile", registry=registry)
+    @kopf.on.update(group=GROUP, version=VERSION, plural=PLURAL, id="reconcile", registry=registry)
+    @kopf.on.resume(group=GROUP, version=VERSION, plural=PLURAL, id="reconcile", registry=registry)
     def reconcile(body: kopf.Body, patch: kopf.Patch, logger: Any, memo: kopf.Memo, **_: Any) -> None:
         _run(memo.reconciler, body, patch, logger)
 
-    @kopf.timer(**cr, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
+    @kopf.timer(
+        group=GROUP,
+        version=VERSION,
+        plural=PLURAL,
+        id="resync",
+        interval=config.resync_seconds,
+        initial_delay=config.resync_seconds,
+        registry=registry,
+    )
     def resync(body: kopf.Body, patch: kopf.Patch, logger: Any, memo: kopf.Memo, **_: Any) -> None:
         """Corrects drift (a child edited or deleted by hand) and refreshes the status."""
         _run(memo.reconciler, body, patch, logger)
 
-    @kopf.on.delete(**cr, id="deleted", optional=True)
+    @kopf.on.delete(
+        group=GROUP, version=VERSION, plural=PLURAL, id="deleted", optional=True, registry=registry
+    )
     def deleted(name: str, logger: Any, **_: Any) -> None:
         # Children carry owner references: the garbage collector removes them; nothing blocks deletion.
         logger.info("SarathiDeployment %s deleted; its children go with it", name)
 
-    children = {"labels": {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_DEPLOYMENT: kopf.PRESENT}}
-
-    @kopf.on.event("pods", **children, registry=registry)
-    @kopf.on.event("apps", "v1", "deployments", **children, registry=registry)
+    # Our pods and Deployments: managed by us and naming their SarathiDeployment.
+    @kopf.on.event(
+        "pods",
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_DEPLOYMENT: kopf.PRESENT},
+        registry=registry,
+    )
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "deployments",
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_DEPLOYMENT: kopf.PRESENT},
+        registry=registry,
+    )
     def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         """A pod or Deployment of ours moved: refresh the owner's status now rather than at the next resync."""
         meta = body["metadata"]
