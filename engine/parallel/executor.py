@@ -190,7 +190,8 @@ class ParallelExecutor:
                 try:
                     msg = obj.recv()
                 except (EOFError, OSError) as e:
-                    raise self._fail(f"worker rank {rank} closed its connection ({type(e).__name__})") from e
+                    # The connection can break before the process sentinel fires: reap it and name the death.
+                    raise self._fail(self._death(rank, f"closed its connection ({type(e).__name__})")) from e
                 if msg[0] == "error":
                     raise self._fail(self._root_cause(rank, msg[2]))
                 if msg[0] == kind:
