@@ -20,6 +20,18 @@ def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
+def latency_cells(summary: dict) -> list[str]:
+    """The latency columns every summary table shows: TTFT P50/P99, TBT P50/P99, scheduling delay P50, goodput."""
+    return [
+        ms(summary["ttft_s"]["p50"]),
+        ms(summary["ttft_s"]["p99"]),
+        ms(summary["tbt_s"]["p50"]),
+        ms(summary["tbt_s"]["p99"]),
+        ms(summary["scheduling_delay_s"]["p50"]),
+        f"{summary['goodput_rps']:.3g}",
+    ]
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
     """A plain fixed-width table (readable in logs and in markdown code blocks)."""
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in r] for r in rows]

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from stallfree.bench.capacity import CapacitySearch
 from stallfree.bench.costmodel import CostModel
 from stallfree.bench.metrics import SLO, meets_capacity_slo, summarize
-from stallfree.bench.report import ms, pyplot, table, write_json
+from stallfree.bench.report import latency_cells, pyplot, table, write_json
 from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, POLICY_NAMES, SimConfig, simulate
 from stallfree.bench.traces import load_trace, make_workload
 
@@ -248,12 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         row = [
             r["policy"],
             r["token_budget"],
-            ms(s["ttft_s"]["p50"]),
-            ms(s["ttft_s"]["p99"]),
-            ms(s["tbt_s"]["p50"]),
-            ms(s["tbt_s"]["p99"]),
-            ms(s["scheduling_delay_s"]["p50"]),
-            f"{s['goodput_rps']:.3g}",
+            *latency_cells(s),
         ]
         if args.capacity:
             row += [f"{r['capacity']['by_tbt_slo'][str(t)]['capacity_qps']:.3g}" for t in slos]

@@ -20,7 +20,7 @@ import httpx
 from stallfree.bench.capacity_cmd import warm_up
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, summarize
-from stallfree.bench.report import ms, pyplot, table, write_json
+from stallfree.bench.report import latency_cells, ms, pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once
 from stallfree.bench.traces import Trace, make_workload
 
@@ -173,12 +173,7 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
         row = [
             r["policy"],
             r["token_budget"],
-            ms(s["ttft_s"]["p50"]),
-            ms(s["ttft_s"]["p99"]),
-            ms(s["tbt_s"]["p50"]),
-            ms(s["tbt_s"]["p99"]),
-            ms(s["scheduling_delay_s"]["p50"]),
-            f"{s['goodput_rps']:.3g}",
+            *latency_cells(s),
             f"{s['outcomes']['ok']}/{s['num_requests']}",
         ]
         if p:
