@@ -22,6 +22,7 @@ from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import Trace, make_workload
 
 
@@ -74,7 +75,7 @@ def search_target(name: str, url: str, trace: Trace, args, slos: list[float], sl
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 
-def simulated(policy: str, trace: Trace, args, slos: list[float], slo: SLO) -> dict | None:
+def simulated(policy: str, budget: int, trace: Trace, args, slos: list[float], slo: SLO) -> dict | None:
     if not args.cost_model:
         return None
     from stallfree.bench.costmodel import CostModel
@@ -83,7 +84,7 @@ def simulated(policy: str, trace: Trace, args, slos: list[float], slo: SLO) -> d
 
     cfg = SimConfig(
         policy=policy,
-        token_budget=args.token_budget,
+        token_budget=budget,
         max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks or DEFAULT_KV_BLOCKS,
         max_model_len=args.max_model_len,
@@ -140,24 +141,26 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     results: dict[str, dict] = {}
     t_start = time.time()
-    for policy in policies:
+    for entry in policies:
+        policy, budget = parse_policy_entry(entry, args.token_budget)
         spec = ServerSpec(
             policy=policy,
-            token_budget=args.token_budget,
+            token_budget=budget,
             max_num_seqs=args.max_num_seqs,
             num_kv_blocks=args.num_kv_blocks,
             chunk_align=args.chunk_align,
             model=args.model,
             threads=args.threads,
         )
-        log(f"{policy}: starting stallfree serve (budget {args.token_budget}, {args.threads} thread(s))")
-        with ServerProcess(spec, out / f"server-{policy}.log") as server:
+        log(f"{entry}: starting stallfree serve (budget {budget}, {args.threads} thread(s))")
+        with ServerProcess(spec, out / f"server-{entry.replace('@', '-')}.log") as server:
             warm_up(server.url, trace, args)
-            results[policy] = {
-                "measured": search_target(policy, server.url, trace, args, slos, slo, log),
+            results[entry] = {
+                "measured": search_target(entry, server.url, trace, args, slos, slo, log),
                 "server": spec.command(0),
+                "token_budget": budget,
             }
-        results[policy]["simulated"] = simulated(policy, trace, args, slos, slo)
+        results[entry]["simulated"] = simulated(policy, budget, trace, args, slos, slo)
     if args.peer_url:
         log(f"peer {args.peer_url}")
         results["peer"] = {

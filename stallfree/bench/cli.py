@@ -17,7 +17,7 @@ import sys
 from stallfree.bench import capacity_cmd, sweep_cmd
 from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import add_workload_args, tbt_slos
-from stallfree.bench.simulator import POLICY_NAMES
+from stallfree.bench.simulator import POLICY_NAMES, parse_policy_entry
 from stallfree.bench.traces import load_trace, make_workload
 
 SERVE_EXAMPLE = """\
@@ -94,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=capacity_cmd.__doc__,
         formatter_class=fmt,
     )
-    c.add_argument("--policies", default="sarathi,vllm,orca", help=f"comma list of {', '.join(POLICY_NAMES)}")
+    c.add_argument(
+        "--policies",
+        default="sarathi,vllm,orca",
+        help=f"comma list of {', '.join(POLICY_NAMES)}; "
+        "POLICY@BUDGET overrides --token-budget for that entry (e.g. sarathi@256,sarathi@1024)",
+    )
     c.add_argument("--peer-url", default=None, help="an external OpenAI-compatible server to search as well")
     add_workload_args(c)
     _server_args(c)
@@ -141,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
             )
         for p in (getattr(args, "policies", "") or "").split(","):
-            if p.strip() and p.strip() not in POLICY_NAMES:
+            if p.strip() and args.command == "capacity":
+                parse_policy_entry(p, args.token_budget)
+            elif p.strip() and p.strip() not in POLICY_NAMES:
                 raise ValueError(f"unknown policy {p.strip()!r}; choose from {', '.join(POLICY_NAMES)}")
     except ValueError as e:
         print(f"stallfree bench {args.command}: {e}", file=sys.stderr)

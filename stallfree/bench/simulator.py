@@ -38,6 +38,24 @@ def split_policy(name: str) -> tuple[str, bool]:
     return name, True
 
 
+def parse_policy_entry(entry: str, default_budget: int) -> tuple[str, int]:
+    """`sarathi@1024` -> ("sarathi", 1024); a bare name takes `default_budget`. Lets one capacity run
+    compare a policy at two budgets (e.g. each tuned for its own SLO)."""
+    name, _, budget = entry.strip().partition("@")
+    split_policy(name)  # validates the name
+    if not budget:
+        return name, default_budget
+    try:
+        value = int(budget)
+    except ValueError:
+        raise ValueError(
+            f"policy {entry!r}: the budget after @ must be an integer, e.g. sarathi@1024"
+        ) from None
+    if value < 1:
+        raise ValueError(f"policy {entry!r}: the budget after @ must be >= 1")
+    return name, value
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """One simulated replica: the same knobs as `stallfree serve`."""

@@ -6,7 +6,7 @@ import pytest
 from bench_factories import make_cost_model, make_sim_workload
 
 from stallfree.bench.metrics import OK, SLO, summarize
-from stallfree.bench.simulator import SimConfig, simulate, split_policy
+from stallfree.bench.simulator import SimConfig, parse_policy_entry, simulate, split_policy
 from stallfree.bench.traces import TraceRequest, Workload
 
 
@@ -51,6 +51,14 @@ def test_chunking_bounds_tbt_where_whole_prompts_do_not(tmp_path):
         for p in ("sarathi", "vllm", "orca")
     }
     assert p99["sarathi"] < p99["orca"] <= p99["vllm"]
+
+
+def test_policy_entries_may_carry_their_own_budget():
+    assert parse_policy_entry("sarathi@1024", 256) == ("sarathi", 1024)
+    assert parse_policy_entry(" vllm ", 256) == ("vllm", 256)
+    for bad, msg in (("sarathi@big", "integer"), ("sarathi@0", ">= 1"), ("fcfs@512", "unknown policy")):
+        with pytest.raises(ValueError, match=msg):
+            parse_policy_entry(bad, 256)
 
 
 def test_policy_names():
