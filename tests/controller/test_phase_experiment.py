@@ -1,0 +1,93 @@
+"""The phase-shift experiment (simulator): workload construction, recovery counting, and one short run in
+which the real decision core must move the budget the right way in each phase."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stallfree.bench.costmodel import CostModel
+from stallfree.operator.controller import phase_experiment as pe
+from stallfree.operator.controller.types import ClusterSpec, Slo
+
+pytestmark = pytest.mark.usefixtures("traces_available")
+
+
+@pytest.fixture
+def traces_available():
+    from stallfree.bench.traces import load_trace
+
+    try:
+        load_trace("arxiv")
+    except (FileNotFoundError, ValueError) as e:  # the shared traces are part of the test set-up
+        pytest.fail(f"traces missing: {e}")
+
+
+def test_parse_phases_accepts_pairs_and_names_bad_parts():
+    assert pe.parse_phases("0.3/0.02,0/0.5") == [(0.3, 0.02), (0.0, 0.5)]
+    for bad in ("0.3", "a/b", "0/0", "-1/2", "0.3/0.1/4"):
+        with pytest.raises(ValueError, match="phase"):
+            pe.parse_phases(bad)
+
+
+def test_workload_follows_each_phase_rates():
+    reqs, starts = pe.build_workload(200.0, [(0.5, 0.0), (0.0, 0.25)], (0.05, 0.25), seed=1)
+    assert starts == [0.0, 200.0]
+    first = [r for r in reqs if r.arrival < 200]
+    second = [r for r in reqs if r.arrival >= 200]
+    assert {r.cluster for r in first} == {"chat"}
+    assert {r.cluster for r in second} == {"summarization"}
+    # Poisson counts: 100 and 50 expected; 5 sigma bounds.
+    assert 50 < len(first) < 150 and 15 < len(second) < 85
+    assert [r.index for r in reqs] == list(range(len(reqs)))
+    assert all(a.arrival <= b.arrival for a, b in zip(reqs, reqs[1:], strict=False))
+    assert all(r.output <= 16 for r in second) and all(r.output <= 64 for r in first)
+
+
+def test_recovery_intervals_count_from_each_phase_change():
+    specs = (ClusterSpec("chat", Slo(10, 1.0, 10)), ClusterSpec("summarization", Slo(60, 5.0, 60)))
+    tl = [
+        {"t": 10, "tbt_p99": {"chat": 0.5, "summarization": None}},
+        {"t": 110, "tbt_p99": {"chat": 2.0, "summarization": 1.0}},  # phase 2 starts at 100: violated
+        {"t": 120, "tbt_p99": {"chat": 1.5, "summarization": 1.0}},
+        {"t": 130, "tbt_p99": {"chat": 0.9, "summarization": 1.0}},  # back within after 2 intervals
+        {"t": 210, "tbt_p99": {"chat": None, "summarization": 4.0}},  # phase 3: never out
+        {"t": 310, "tbt_p99": {"chat": 3.0, "summarization": 9.0}},  # phase 4: never back
+    ]
+    assert pe.recovery_intervals(tl, [0, 100, 200, 300], specs) == [2, 0, None]
+
+
+def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
+    """A synthetic cost model with a large fixed cost per iteration: chat + long prompts need a small budget
+    for chat's TBT, the document-only phase needs a large one to keep up. The adaptive run must go down in
+    the first phase and up in the second, and no static budget may beat it."""
+    model = CostModel(
+        {
+            "const": 0.05,
+            "prefill_tokens": 0.0004,
+            "decode_tokens": 0.002,
+            "prefill_attn": 0.0,
+            "decode_attn": 0.0,
+            "prefill_chunks": 0.02,
+        }  # fmt: skip
+    )
+    path = tmp_path / "cost_model.json"
+    model.save(path)
+    out = tmp_path / "out"
+    rc = pe.main([
+        "--cost-model", str(path), "--out", str(out), "--phase-seconds", "240",
+        "--phases", "0.5/0.3,0/2.4", "--budgets", "128,512,2048", "--initial", "512",
+        "--chat-tbt-slo", "0.25", "--summ-ttft-slo", "20", "--summ-tbt-slo", "5",
+    ])  # fmt: skip
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "phase_shift.png").stat().st_size > 10_000
+    tl = res["adaptive"]["timeline"]
+    first = [x["budget"] for x in tl if x["t"] <= 240]
+    second = [x["budget"] for x in tl if 240 < x["t"] <= 480]
+    assert min(first) < 512, "chat TBT violations in phase 1 must lower the budget"
+    assert max(second) > min(first) and max(second) > 512, "the document phase must raise it again"
+    s = res["summary"]
+    assert s["adaptive_goodput"] >= s["best_static_goodput"]
+    assert set(res["static"]) == {"128", "512", "2048"}
