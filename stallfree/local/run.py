@@ -35,6 +35,8 @@ class LocalRun:
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"stallfree-{dep.name}-"))
         spec = dep.spec
         self.inputs = inp = loop_inputs(spec, **self._cooldowns(spec))
+        # spec.controller.enabled counts here as in a cluster (the kopf timer); so does --no-controller.
+        self.retunes = spec.controller.enabled and not args.no_controller
         self.engine_token = secrets.token_urlsafe(24)
         self.fleet = EngineFleet(
             name=dep.name,
@@ -137,7 +139,7 @@ class LocalRun:
                 self.fleet.check()
                 if hasattr(self.source, "selector"):
                     self.source.selector = self._selector()
-                if self.args.no_controller:
+                if not self.retunes:
                     continue
                 self.loop.step()
             except Exception:  # noqa: BLE001 - the loop must survive one bad interval

@@ -142,3 +142,32 @@ def test_up_serves_streams_reports_status_and_stops_children(tmp_path):
     for url in engines:  # children are gone
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_spec_controller_enabled_decides_whether_local_mode_retunes(tmp_path, monkeypatch, enabled):
+    """controller.enabled: false serves the spec's settings, as the kopf timer does in a cluster."""
+    import shutil
+    import threading
+
+    from stallfree.local import build_parser
+    from stallfree.local.run import LocalRun
+    from stallfree.operator.controller.loop import ControlLoop
+
+    path = tmp_path / "d.yaml"
+    ctl = {"enabled": enabled, "intervalSeconds": 1, "windowSeconds": 5}
+    path.write_text(yaml.safe_dump(mutate(lambda d: d["spec"]["controller"].update(ctl))))
+    run = LocalRun(load(path), build_parser().parse_args([str(path)]), None)
+    steps: list[int] = []
+    monkeypatch.setattr(run.fleet, "wait_ready", lambda *a: True)
+    monkeypatch.setattr(run.fleet, "check", lambda: None)
+    monkeypatch.setattr(run.fleet, "endpoints", lambda: [])  # nothing to adopt settings from
+    monkeypatch.setattr(ControlLoop, "step", lambda self: steps.append(1))
+    t = threading.Thread(target=run._control)
+    t.start()
+    time.sleep(2.5)
+    run.stop.set()
+    t.join(5)
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    assert run.retunes is enabled
+    assert (len(steps) >= 1) is enabled
