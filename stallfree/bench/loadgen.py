@@ -49,11 +49,17 @@ async def fetch_model_id(client: httpx.AsyncClient, base: str) -> str:
 
 
 async def _one(
-    client: httpx.AsyncClient, base: str, body: dict, rec: RequestRecord, t0: float, timeout: float
+    client: httpx.AsyncClient,
+    base: str,
+    body: dict,
+    rec: RequestRecord,
+    t0: float,
+    timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> None:
     rec.sent = time.perf_counter() - t0
     try:
-        await asyncio.wait_for(_stream(client, base, body, rec, t0), timeout)
+        await asyncio.wait_for(_stream(client, base, body, rec, t0, headers), timeout)
     except asyncio.TimeoutError:
         rec.outcome, rec.error = TIMEOUT, f"no answer within {timeout:g} s"
         rec.finish = time.perf_counter() - t0
@@ -62,8 +68,15 @@ async def _one(
         rec.finish = time.perf_counter() - t0
 
 
-async def _stream(client: httpx.AsyncClient, base: str, body: dict, rec: RequestRecord, t0: float) -> None:
-    async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+async def _stream(
+    client: httpx.AsyncClient,
+    base: str,
+    body: dict,
+    rec: RequestRecord,
+    t0: float,
+    headers: dict[str, str] | None = None,
+) -> None:
+    async with client.stream("POST", f"{base}/v1/completions", json=body, headers=headers) as resp:
         rec.status_code = resp.status_code
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")[:300]
@@ -132,7 +145,8 @@ async def run_workload(
 ) -> list[RequestRecord]:
     """Send every request of the workload at its arrival time; return one record per request, in order.
 
-    `traffic_cluster` is sent as the x-traffic-cluster header (stallfree's traffic clusters)."""
+    `traffic_cluster` is sent as the x-traffic-cluster header (stallfree's traffic clusters); a request's
+    own `TraceRequest.traffic_cluster`, when set, replaces it for that request."""
     base = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if traffic_cluster:
@@ -155,7 +169,9 @@ async def run_workload(
             delay = workload.requests[i].arrival - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            await _one(client, base, bodies[i], records[i], t0, timeout)
+            own = workload.requests[i].traffic_cluster
+            headers = {"x-traffic-cluster": own} if own else None
+            await _one(client, base, bodies[i], records[i], t0, timeout, headers)
             if on_done is not None:
                 on_done(records[i])
 

@@ -29,12 +29,14 @@ PROMPT_ID_RANGE = (1000, 30000)
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request to replay: its lengths after scaling and clipping, and when it arrives (seconds)."""
+    """One request to replay: its lengths after scaling and clipping, and when it arrives (seconds).
+    `traffic_cluster`, when set, is sent as this request's x-traffic-cluster header (mixed workloads)."""
 
     index: int
     prompt_tokens: int
     output_tokens: int
     arrival: float
+    traffic_cluster: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
