@@ -1,0 +1,555 @@
+"""Adaptive budget vs every static budget on a phase-shifting workload, against a REAL local deployment.
+
+    python -m stallfree.operator.controller.phase_live --out DIR [--budgets 128,512,2048] [--phases ...]
+
+The live counterpart of phase_experiment (the simulator). The workload is the same (its build_workload:
+Poisson chat requests with ShareGPT lengths and summarization requests with arXiv lengths, CPU-scaled, at
+each phase's rates). Each run starts ONE deployment the product way, `stallfree up FILE` on the bundled
+model, from a generated SarathiDeployment file (kept in DIR/specs/), replays the workload over HTTP, and
+stops it (SIGTERM) before the next run starts:
+
+  static B   budget.initial = B, controller.enabled = false: the budget and chunk caps stay at B
+             (chunk caps no lower than the budget: what serving stacks do today)
+  adaptive   budget.initial = --initial, controller.enabled = true: local mode's control loop (the real
+             decide()) retunes the budget within [min, max] of --budgets, and the chunk caps with it,
+             every --interval seconds from the engines' P99s over --window seconds
+
+Otherwise every run's spec is the same: one replica, policy sarathi, traffic clusters chat (priority 10) and
+summarization (priority 0) chosen by the x-traffic-cluster header alone, with the SLOs given below, and
+chunkCap = the largest budget (a ceiling only; the caps follow the budget).
+
+Requests go out open loop at their arrival times through the load generator of `stallfree bench serve`
+(streamed completions of fixed length, one SSE chunk per token), each with its cluster's header. A request
+is good, exactly as in phase_experiment.meets, when it completed, its TTFT (first token - send) is within
+its cluster's TTFT SLO and the P99 of its own inter-token gaps is within its TBT SLO; rejected (429),
+failed and timed-out requests are never good. Goodput = good requests per second of phase; the per-phase
+oracle takes the best static budget separately in each phase.
+
+During every run GET /admin/v1/status is polled (--interval / 2, at most 1 s apart); each new controller
+decision becomes one timeline point {t, budget, tbt_p99 per cluster (the controller's own windowed view)},
+and recovery after each phase change is counted in control intervals (phase_experiment.recovery_intervals).
+The same count is also taken from the gaps the client saw (`client_recovery_intervals`, every run).
+
+Writes to --out: results.json (rewritten after every run), phase_live.png, records-<run>.json (every
+request as the load generator saw it), specs/<run>.yaml and logs/<run>.log (`stallfree up`'s output).
+Prints a table. The load average before and after each run is recorded: keep the machine quiet.
+
+Each cluster's scheduling-delay SLO (P50) is set to its TTFT SLO, as in phase_experiment. A run takes the
+deployment's start-up (model load), phases x --phase-seconds, and the tail of the last requests; they run
+one after another: static budgets in increasing order, then adaptive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+from stallfree.bench.loadgen import fetch_model_id, run_workload
+from stallfree.bench.metrics import OK, OUTCOMES, RequestRecord
+from stallfree.bench.traces import TraceRequest, Workload
+from stallfree.operator.controller.phase_experiment import (
+    Rec,
+    Req,
+    build_workload,
+    parse_phases,
+    recovery_intervals,
+    score,
+)
+from stallfree.operator.controller.types import ClusterSpec, Slo
+from stallfree.operator.spec import API_VERSION, KIND
+
+MODEL = "SmolLM2-135M-Instruct"  # the bundled model: nothing to download
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    """What every run's SarathiDeployment shares (built once from the flags)."""
+
+    specs: tuple[ClusterSpec, ...]
+    budgets: tuple[int, ...]
+    initial: int
+    interval_s: int
+    window_s: int
+    max_num_seqs: int = 64
+
+
+# ---- the SarathiDeployment of one run (pure) --------------------------------------------------------------
+
+
+def deployment(cfg: LiveConfig, static_budget: int | None) -> dict:
+    """The SarathiDeployment for one run: static at `static_budget` (controller off), adaptive when None."""
+    lo, hi = min(cfg.budgets), max(cfg.budgets)
+
+    def slo(s: Slo) -> dict:
+        return {"ttftP99Seconds": s.ttft_p99, "tbtP99Seconds": s.tbt_p99,
+                "schedulingDelayP50Seconds": s.scheduling_delay_p50}  # fmt: skip
+
+    clusters = [
+        # Header only: no prompt-length rule, so the request's header alone decides its cluster.
+        {
+            "name": s.name,
+            "match": {"header": s.name},
+            "slo": slo(s.slo),
+            "chunkCap": hi,
+            "priority": s.priority,
+        }
+        for s in cfg.specs
+    ]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": "phase-live"},
+        "spec": {
+            "model": {"name": MODEL, "maxModelLen": 8192},
+            "replicas": {"min": 1, "max": 1},
+            "resources": {"gpusPerPod": 0},
+            "engine": {"policy": "sarathi", "blockSize": 16, "maxNumSeqs": cfg.max_num_seqs},
+            "slo": slo(cfg.specs[0].slo),
+            "budget": {
+                "initial": cfg.initial if static_budget is None else static_budget,
+                "min": lo,
+                "max": hi,
+                "align": 32,
+            },
+            "trafficClusters": clusters,
+            "controller": {
+                "enabled": static_budget is None,
+                "intervalSeconds": cfg.interval_s,
+                "windowSeconds": cfg.window_s,
+            },
+        },
+    }
+
+
+def validate_deployment(doc: dict) -> dict:
+    """The check `stallfree up` runs on its file (stallfree.local.config.validate: CRD schema with its
+    defaults, unknown fields, cross-field rules); raises ValueError (LocalConfigError) naming the field."""
+    # NOTE: imported by name: a static import would pull stallfree.local into mypy's scope (STYLE.md).
+    config = importlib.import_module("stallfree.local.config")
+    return config.validate(doc)
+
+
+# ---- one `stallfree up` process ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def local_deployment(
+    file: Path, log_path: Path, *, port: int, threads: int, cost_model: str | None, ready_timeout: float
+) -> Iterator[str]:
+    """Run `stallfree up FILE` until the block ends; yields its base URL once /ready answers 200.
+    Stops it with SIGTERM (it stops its engines first), SIGKILL after 60 s."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "stallfree", "up", str(file), "--port", str(port), "--no-view"]
+    if cost_model:
+        cmd += ["--cost-model", cost_model]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # the engines inherit it
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"stallfree up exited ({proc.returncode}); {log_path}:\n{_tail(log_path)}")
+            with suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stallfree up not ready after {ready_timeout:g} s; see {log_path}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its engines get SIGTERM from the kernel (PR_SET_PDEATHSIG)
+                proc.wait()
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+class StatusPoller:
+    """Polls GET /admin/v1/status; one timeline point per new controller decision (its lastDecisionTime),
+    so every control interval counts once. `t` is when the poll saw it, seconds since `t0`."""
+
+    def __init__(self, base: str, clusters: Sequence[str], period: float, t0: float) -> None:
+        self.url, self.clusters, self.period, self.t0 = f"{base}/admin/v1/status", list(clusters), period, t0
+        self.timeline: list[dict] = []
+        self.budgets_seen: set[int] = set()
+        self.errors = 0
+        self._last: str | None = None
+
+    def observe(self, doc: dict, t: float) -> None:
+        budget = doc.get("budget") or {}
+        if budget.get("tokenBudget") is not None:
+            self.budgets_seen.add(int(budget["tokenBudget"]))
+        when = budget.get("lastDecisionTime")
+        if when is None or when == self._last:  # no decision yet (controller off), or seen already
+            return
+        self._last = when
+        obs = {c.get("name"): c.get("observedTbtP99Seconds") for c in doc.get("trafficClusters") or []}
+        self.timeline.append({"t": t, "budget": budget.get("tokenBudget"),
+                              "tbt_p99": {n: obs.get(n) for n in self.clusters},
+                              "action": budget.get("lastDecision"), "reason": budget.get("reason")})  # fmt: skip
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while not stop.is_set():
+                try:
+                    r = await client.get(self.url)
+                    r.raise_for_status()
+                    self.observe(r.json(), time.perf_counter() - self.t0)
+                except (httpx.HTTPError, ValueError):
+                    self.errors += 1
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.period)
+
+
+async def replay(
+    base: str, reqs: Sequence[Req], desc: str, poll_s: float, timeout: float, seed: int
+) -> tuple[list[RequestRecord], StatusPoller]:
+    """Send every request at its arrival time with its cluster's header, polling the status meanwhile."""
+    from tqdm import tqdm
+
+    trace = tuple(TraceRequest(r.index, r.prompt, r.output, r.arrival, r.cluster) for r in reqs)
+    wl = Workload("phase-live", 1.0, 8192, seed, None, trace, 0)
+    async with httpx.AsyncClient(timeout=10.0) as c:
+        model = await fetch_model_id(c, base)
+    bar = tqdm(total=len(reqs), desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+    counts: Counter[str] = Counter()
+
+    def done(rec: RequestRecord) -> None:
+        counts[rec.outcome] += 1
+        bar.set_postfix(counts, refresh=False)
+        bar.update()
+
+    stop = asyncio.Event()
+    # NOTE: run_workload takes its own time zero a few ms later (after building the prompts): the timeline's
+    # t is that much early, far below one control interval.
+    poller = StatusPoller(base, sorted({r.cluster for r in reqs}), poll_s, time.perf_counter())
+    task = asyncio.create_task(poller.run(stop))
+    try:
+        records = await run_workload(base, wl, model=model, timeout=timeout, on_done=done)
+    finally:
+        stop.set()
+        await task
+        bar.close()
+    return records, poller
+
+
+# ---- scoring (phase_experiment's rule) -----------------------------------------------------------------
+
+
+def to_recs(records: Sequence[RequestRecord], reqs: Sequence[Req]) -> list[Rec]:
+    """phase_experiment's per-request view of what the load generator saw: done = outcome ok (a rejected,
+    failed or timed-out request is not), first token and every token's arrival time.
+
+    NOTE: times are shifted back by the request's send lag (sent - due), so TTFT counts from when it really
+    left the client (as `bench serve` does) while its phase stays the one it was due in. Gaps are unchanged."""
+    out = []
+    for rec, req in zip(records, reqs, strict=True):
+        if rec.index != req.index:
+            raise ValueError(f"record {rec.index} does not belong to request {req.index}")
+        lag = rec.sent - req.arrival if rec.sent is not None else 0.0
+        first = rec.first_token - lag if rec.first_token is not None else None
+        out.append(Rec(req, first, tokens=[t - lag for t in rec.token_times], done=rec.outcome == OK))
+    return out
+
+
+def client_timeline(recs: Sequence[Rec], names: Sequence[str], step: float, window: float) -> list[dict]:
+    """Each cluster's P99 of the inter-token gaps that ended in the last `window` seconds, every `step`
+    seconds, as the client saw them (the same points for static and adaptive runs)."""
+    ends: dict[str, list[float]] = {n: [] for n in names}
+    gaps: dict[str, list[float]] = {n: [] for n in names}
+    for r in recs:
+        ends[r.req.cluster] += r.tokens[1:]
+        gaps[r.req.cluster] += np.diff(r.tokens).tolist() if len(r.tokens) > 1 else []
+    last = max((t for v in ends.values() for t in v), default=0.0)
+    e = {n: np.asarray(v) for n, v in ends.items()}
+    g = {n: np.asarray(v) for n, v in gaps.items()}
+    out = []
+    for t in np.arange(step, last + step, step):
+        p99: dict[str, float | None] = {}
+        for n in names:
+            sel = g[n][(e[n] > t - window) & (e[n] <= t)]
+            p99[n] = float(np.percentile(sel, 99)) if len(sel) else None
+        out.append({"t": float(t), "tbt_p99": p99})
+    return out
+
+
+def judge(
+    records: Sequence[RequestRecord],
+    reqs: Sequence[Req],
+    specs: Sequence[ClusterSpec],
+    starts: list[float],
+    phase_s: float,
+    step: float,
+    window: float,
+) -> dict:
+    """phase_experiment.score of one run, plus per-phase attainment, outcomes, send lag and client recovery."""
+    recs = to_recs(records, reqs)
+    sc = score(recs, specs, starts, phase_s)
+    for p in sc["phases"]:
+        p["attainment"] = p["good"] / max(p["requests"], 1)
+    sc["outcomes"] = {o: sum(r.outcome == o for r in records) for o in OUTCOMES}
+    lags = [r.sent - r.arrival for r in records if r.sent is not None]
+    sc["send_lag_s"] = {"p50": float(np.median(lags)), "max": float(max(lags))} if lags else None
+    tl = client_timeline(recs, [s.name for s in specs], step, window)
+    sc["client_recovery_intervals"] = recovery_intervals(tl, starts, specs)
+    sc["client_timeline"] = tl
+    return sc
+
+
+def request_timeout(reqs: Sequence[Req], specs: Sequence[ClusterSpec]) -> float:
+    """Client timeout per request, long enough never to change a score: a request that can still meet its
+    SLOs ends within TTFT SLO + (output - 1) x TBT SLO (the P99 of at most 100 gaps bounds their sum so;
+    the workload caps outputs at 64), plus margin."""
+    slo = {s.name: s.slo for s in specs}
+    return max(slo[r.cluster].ttft_p99 + (r.output + 2) * slo[r.cluster].tbt_p99 for r in reqs) + 30.0
+
+
+# ---- one run, and the experiment -------------------------------------------------------------------------
+
+
+def run_one(
+    name: str, doc: dict, reqs: Sequence[Req], a: argparse.Namespace, out: Path, timeout: float
+) -> tuple[list[RequestRecord], dict]:
+    """Start the deployment of `doc`, replay `reqs` against it, stop it. Returns the records and what was
+    seen around them (load average, startup and replay seconds, status timeline, budgets seen)."""
+    file = out / "specs" / f"{name}.yaml"
+    file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    info: dict = {"loadavg_before": os.getloadavg()}
+    print(f"{name}: starting stallfree up {file} ...", file=sys.stderr, flush=True)
+    t = time.monotonic()
+    with local_deployment(file, out / "logs" / f"{name}.log", port=a.port, threads=a.threads,
+                          cost_model=a.cost_model, ready_timeout=a.ready_timeout) as base:  # fmt: skip
+        info["startup_s"] = round(time.monotonic() - t, 1)
+        t = time.monotonic()
+        poll_s = min(1.0, a.interval / 2)
+        records, poller = asyncio.run(replay(base, reqs, name, poll_s, timeout, a.seed))
+        info["replay_s"] = round(time.monotonic() - t, 1)
+        info["loadavg_after"] = os.getloadavg()
+    info.update(timeline=poller.timeline, budgets_seen=sorted(poller.budgets_seen),
+                status_poll_errors=poller.errors)  # fmt: skip
+    (out / f"records-{name}.json").write_text(json.dumps([r.to_json() for r in records]))
+    return records, info
+
+
+def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: float) -> dict:
+    """Best static, per-phase oracle and the adaptive run's ratios to both (as phase_experiment)."""
+    static, ad = results["static"], results["adaptive"]
+    best = max(budgets, key=lambda b: static[b]["goodput"])
+    good = np.array([[p["good"] for p in static[b]["phases"]] for b in budgets])  # (budgets, phases)
+    per_phase_best = [budgets[int(j)] for j in good.argmax(axis=0)]  # ties: the smaller budget, as max()
+    oracle = float(good.max(axis=0).sum()) / (phase_s * n_phases)
+    return {
+        "best_static_budget": best,
+        "best_static_goodput": static[best]["goodput"],
+        "adaptive_goodput": ad["goodput"],
+        "oracle_goodput": oracle,
+        "oracle_budgets": per_phase_best,
+        "adaptive_vs_best_static": ad["goodput"] / max(static[best]["goodput"], 1e-9),
+        "adaptive_vs_oracle": ad["goodput"] / max(oracle, 1e-9),
+        "recovery_intervals": ad["recovery_intervals"],
+        "client_recovery_intervals": ad["client_recovery_intervals"],
+        "best_static_client_recovery_intervals": static[best]["client_recovery_intervals"],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m stallfree.operator.controller.phase_live", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--out", required=True, help="folder for results.json, phase_live.png, records, specs, logs"
+    )
+    p.add_argument("--budgets", default="128,512,2048",
+                   help="static token budgets, comma-separated multiples of 32; their min and max bound the "
+                   "adaptive run (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--initial", type=int, default=512, help="adaptive run's starting budget (default %(default)s)"
+    )
+    p.add_argument("--phases", default="0.3/0.02,0/0.5,0.3/0.02,0/0.5",
+                   help="CHAT_QPS/SUMM_QPS per phase, comma-separated (default: interactive, document batch, "
+                   "x2)")  # fmt: skip
+    p.add_argument(
+        "--phase-seconds", type=float, default=60.0, help="seconds per phase (default %(default)s)"
+    )
+    p.add_argument(
+        "--chat-scale", type=float, default=0.05, help="CPU scaling of ShareGPT lengths (default %(default)s)"
+    )
+    p.add_argument(
+        "--summ-scale", type=float, default=0.25, help="CPU scaling of arXiv lengths (default %(default)s)"
+    )
+    p.add_argument(
+        "--chat-tbt-slo", type=float, default=1.0, help="chat P99 TBT SLO, s (default %(default)s)"
+    )
+    p.add_argument("--chat-ttft-slo", type=float, default=20.0, help="chat TTFT SLO, s (default %(default)s)")
+    p.add_argument(
+        "--summ-tbt-slo", type=float, default=5.0, help="summarization P99 TBT SLO, s (default %(default)s)"
+    )
+    p.add_argument(
+        "--summ-ttft-slo", type=float, default=60.0, help="summarization TTFT SLO, s (default %(default)s)"
+    )
+    p.add_argument("--interval", type=int, default=5,
+                   help="controller.intervalSeconds: seconds between decisions (default %(default)s)")  # fmt: skip
+    p.add_argument("--window", type=int, default=15,
+                   help="controller.windowSeconds: the engines' metrics window, >= --interval and >= 5; also "
+                   "the window of the client-side P99 TBT timeline (default %(default)s)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine.maxNumSeqs (default %(default)s)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="OMP_NUM_THREADS of the engine (default %(default)s)"
+    )
+    p.add_argument("--cost-model", metavar="JSON", default=None,
+                   help="`stallfree profile` cost model for the controller (default: its built-in one)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="client timeout per request, s (default: long enough that only requests that already "
+                   "missed their SLOs are cut off)")  # fmt: skip
+    p.add_argument("--port", type=int, default=0, help="port of `stallfree up` (default: a free one)")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds to wait for each deployment's /ready (default %(default)s)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        phases = parse_phases(a.phases)
+        budgets = sorted({int(b) for b in a.budgets.split(",")})
+        specs = (
+            ClusterSpec("chat", Slo(a.chat_ttft_slo, a.chat_tbt_slo, a.chat_ttft_slo), priority=10),
+            ClusterSpec("summarization", Slo(a.summ_ttft_slo, a.summ_tbt_slo, a.summ_ttft_slo), priority=0),
+        )
+        cfg = LiveConfig(specs, tuple(budgets), a.initial, a.interval, a.window, a.max_num_seqs)
+        runs: list[tuple[str, int | None]] = [(f"static-{b}", b) for b in budgets] + [("adaptive", None)]
+        docs = {name: deployment(cfg, b) for name, b in runs}
+        for doc in docs.values():
+            validate_deployment(doc)  # what `stallfree up` checks, before any engine starts
+    except ValueError as e:
+        p.error(str(e))
+    reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), a.seed)
+    if not reqs:
+        p.error("the workload has no requests: raise the rates or --phase-seconds")
+    timeout = a.request_timeout or request_timeout(reqs, specs)
+    out = Path(a.out)
+    (out / "specs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    results: dict = {"config": {**vars(a), "request_timeout_s": timeout}, "complete": False,
+                     "num_requests": len(reqs), "phase_starts": starts, "static": {}, "adaptive": None}  # fmt: skip
+    t_all = time.monotonic()
+    for name, b in runs:
+        records, info = run_one(name, docs[name], reqs, a, out, timeout)
+        sc = {**judge(records, reqs, specs, starts, a.phase_seconds, a.interval, a.window), **info}
+        if b is None:
+            sc["recovery_intervals"] = recovery_intervals(sc["timeline"], starts, specs)
+            results["adaptive"] = sc
+        else:
+            del sc["timeline"]  # no decisions with the controller off; budgets_seen shows B held
+            results["static"][b] = sc
+        print(f"{name}: goodput {sc['goodput']:.3f} req/s, attainment {sc['attainment']:.1%}, "
+              f"outcomes {sc['outcomes']}", file=sys.stderr)  # fmt: skip
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    results["summary"] = summarize(results, budgets, len(starts), a.phase_seconds)
+    results["complete"] = True
+    results["wall_s"] = round(time.monotonic() - t_all, 1)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, budgets, starts, phases, specs, a.phase_seconds, out / "phase_live.png")
+    print(table(results, budgets))
+    return 0
+
+
+def table(results: dict, budgets: Sequence[int]) -> str:
+    rows = [("run", "goodput/s", "attain", "good/requests per phase", "ok rej err t/o", "load 1m", "startup")]
+    for name, sc in [
+        *((f"static {b}", results["static"][b]) for b in budgets),
+        ("adaptive", results["adaptive"]),
+    ]:
+        o = sc["outcomes"]
+        rows.append((name, f"{sc['goodput']:.3f}", f"{sc['attainment']:.1%}",
+                     " ".join(f"{p['good']}/{p['requests']}" for p in sc["phases"]),
+                     f"{o['ok']} {o['rejected']} {o['error']} {o['timeout']}",
+                     f"{sc['loadavg_before'][0]:.2f}->{sc['loadavg_after'][0]:.2f}", f"{sc['startup_s']:.0f}s"))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    s = results["summary"]
+    lines.append(
+        f"best static {s['best_static_budget']}: {s['best_static_goodput']:.3f}/s; oracle {s['oracle_goodput']:.3f}/s "
+        f"(budgets {s['oracle_budgets']}); adaptive/best static {s['adaptive_vs_best_static']:.2f}x, "
+        f"adaptive/oracle {s['adaptive_vs_oracle']:.2f}x; recovery intervals after each phase change "
+        f"{s['recovery_intervals']} (controller's view), {s['client_recovery_intervals']} (client's view)"
+    )
+    return "\n".join(lines)
+
+
+def plot(results: dict, budgets: Sequence[int], starts: list[float], phases: Sequence[tuple[float, float]],
+         specs: Sequence[ClusterSpec], phase_s: float, path: Path) -> None:  # fmt: skip
+    """Goodput per static budget with the adaptive and oracle lines; the adaptive budget over time with
+    each cluster's P99 TBT / SLO (phase_experiment.plot's layout, wall-clock seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [1, 1.5]})
+    ax1.bar([str(b) for b in budgets], [results["static"][b]["goodput"] for b in budgets], color="#999",
+            label="static budget")  # fmt: skip
+    ax1.axhline(results["adaptive"]["goodput"], color="C3", lw=2, label="adaptive controller")
+    ax1.axhline(results["summary"]["oracle_goodput"], color="C0", ls="--", label="per-phase oracle")
+    ax1.set_xlabel("static token budget")
+    ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
+    ax1.legend(loc="lower right")
+    tl = results["adaptive"]["timeline"]
+    ts = [x["t"] for x in tl]
+    ax2.step(ts, [x["budget"] for x in tl], where="post", color="C3", lw=2, label="adaptive budget")
+    for t0, (chat, summ) in zip(starts, phases, strict=True):
+        ax2.axvspan(t0, t0 + phase_s, color="C1" if chat == 0 else "C2", alpha=0.12)
+        ax2.text(t0 + phase_s / 2, 0.98, f"chat {chat:g}/s\nsumm {summ:g}/s", ha="center", va="top",
+                 transform=ax2.get_xaxis_transform(), fontsize=8)  # fmt: skip
+    ax2.set_yscale("log", base=2)
+    ax2.set_xlabel("seconds since the replay started (live deployment)")
+    ax2.set_ylabel("token budget")
+    ax2b = ax2.twinx()
+    for i, sp in enumerate(specs):
+        v = [x["tbt_p99"].get(sp.name) for x in tl]
+        ax2b.plot(ts, [np.nan if x is None else x / sp.slo.tbt_p99 for x in v], color=f"C{i}", lw=0.8,
+                  label=f"{sp.name} P99 TBT / SLO")  # fmt: skip
+    ax2b.axhline(1.0, color="k", ls=":", lw=0.8)
+    ax2b.set_ylabel("controller's windowed P99 TBT / SLO")
+    ax2b.set_ylim(0, 3)
+    ax2.legend(loc="upper left", fontsize=8)
+    ax2b.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
