@@ -21,7 +21,7 @@ from stallfree.bench.capacity import CapacitySearch
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
-from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.serve_cmd import bench_once, load_text_prompts
 from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import Trace, make_workload
 
@@ -34,7 +34,17 @@ def warm_up(url: str, trace: Trace, args) -> None:
     bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
 
 
-def search_target(name: str, url: str, trace: Trace, args, slos: list[float], slo: SLO, log) -> dict:
+def search_target(
+    name: str,
+    url: str,
+    trace: Trace,
+    args,
+    slos: list[float],
+    slo: SLO,
+    log,
+    text_prompts=None,
+    logprobs: bool = True,
+) -> dict:
     """Capacity search against one server, for every TBT SLO, from one shared set of runs."""
 
     def evaluate(qps: float) -> dict:
@@ -48,7 +58,13 @@ def search_target(name: str, url: str, trace: Trace, args, slos: list[float], sl
         )
         t0 = time.time()
         s, _ = bench_once(
-            url, wl, slo, model=args.model_name, logprobs=not args.no_logprobs, desc=f"{name} @ {qps:.3g} qps"
+            url,
+            wl,
+            slo,
+            model=args.model_name,
+            logprobs=logprobs,
+            desc=f"{name} @ {qps:.3g} qps",
+            text_prompts=text_prompts,
         )
         s["wall_s"] = time.time() - t0
         log(
@@ -164,7 +180,17 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
     if args.peer_url:
         log(f"peer {args.peer_url}")
         results["peer"] = {
-            "measured": search_target("peer", args.peer_url, trace, args, slos, slo, log),
+            "measured": search_target(
+                "peer",
+                args.peer_url,
+                trace,
+                args,
+                slos,
+                slo,
+                log,
+                text_prompts=load_text_prompts() if args.peer_text_prompts else None,
+                logprobs=not args.peer_no_logprobs,
+            ),
             "url": args.peer_url,
         }
     wall = time.time() - t_start

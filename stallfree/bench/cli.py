@@ -41,6 +41,12 @@ examples:
 """
 
 
+TEXT_PROMPTS_HELP = (
+    "send prompts as text of the same token length (words of the bundled model's vocabulary; EOS banned "
+    "with logit_bias) for servers that refuse token-id prompts, e.g. llama.cpp's"
+)
+
+
 def _server_args(ap: argparse.ArgumentParser) -> None:
     """Options of the `stallfree serve` processes that capacity and sweep start."""
     g = ap.add_argument_group("servers started by this command")
@@ -85,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-logprobs", action="store_true", help="do not ask for logprobs (servers that lack them; "
                    "then tokens with empty text merge into the next chunk)")  # fmt: skip
+    s.add_argument("--text-prompts", action="store_true", help=TEXT_PROMPTS_HELP)
     s.add_argument("--out", default="results/bench-serve")
 
     c = sub.add_parser(
@@ -101,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "POLICY@BUDGET overrides --token-budget for that entry (e.g. sarathi@256,sarathi@1024)",
     )
     c.add_argument("--peer-url", default=None, help="an external OpenAI-compatible server to search as well")
+    c.add_argument("--peer-text-prompts", action="store_true", help=f"for the peer: {TEXT_PROMPTS_HELP}")
+    c.add_argument("--peer-no-logprobs", action="store_true", help="for the peer: do not ask for logprobs")
     add_workload_args(c)
     _server_args(c)
     c.add_argument("--start-qps", type=float, default=0.5, help="first QPS of the search")

@@ -18,11 +18,15 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
 from stallfree.bench.metrics import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
 from stallfree.bench.traces import Workload, prompt_token_ids
+
+if TYPE_CHECKING:
+    from stallfree.bench.textprompts import TextPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +146,13 @@ async def run_workload(
     logprobs: bool = True,
     traffic_cluster: str | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
+    text_prompts: TextPrompts | None = None,
 ) -> list[RequestRecord]:
     """Send every request of the workload at its arrival time; return one record per request, in order.
 
     `traffic_cluster` is sent as the x-traffic-cluster header (stallfree's traffic clusters); a request's
-    own `TraceRequest.traffic_cluster`, when set, replaces it for that request."""
+    own `TraceRequest.traffic_cluster`, when set, replaces it for that request. With `text_prompts` the
+    prompts go as text of the same token length (for servers that refuse token ids)."""
     base = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if traffic_cluster:
@@ -160,6 +166,11 @@ async def run_workload(
             )
             for r in workload.requests
         ]
+        if text_prompts is not None:  # servers that take only strings (see stallfree.bench.textprompts)
+            bodies = [
+                text_prompts.body(b, r.index, r.prompt_tokens, workload.seed)
+                for b, r in zip(bodies, workload.requests, strict=True)
+            ]
         records = [
             RequestRecord(r.index, r.prompt_tokens, r.output_tokens, r.arrival) for r in workload.requests
         ]

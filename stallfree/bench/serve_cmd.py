@@ -24,7 +24,7 @@ from stallfree.bench.traces import Workload
 
 
 async def _bench(
-    url: str, workload: Workload, slo: SLO, *, model, api_key, timeout, logprobs, cluster, bar
+    url: str, workload: Workload, slo: SLO, *, model, api_key, timeout, logprobs, cluster, bar, text_prompts
 ) -> tuple[dict, list]:
     load_before = os.getloadavg()[0]
     before = await scrape(url)
@@ -37,6 +37,7 @@ async def _bench(
         logprobs=logprobs,
         traffic_cluster=cluster,
         on_done=(lambda r: bar.update(1)) if bar is not None else None,
+        text_prompts=text_prompts,
     )
     after = await scrape(url) if before is not None else None
     server = metrics_delta(before, after) if before is not None and after is not None else {}
@@ -51,6 +52,12 @@ async def _bench(
     return summary, records
 
 
+def load_text_prompts():
+    from stallfree.bench.textprompts import TextPrompts
+
+    return TextPrompts.from_gguf()
+
+
 def bench_once(
     url: str,
     workload: Workload,
@@ -63,6 +70,7 @@ def bench_once(
     traffic_cluster: str | None = None,
     progress: bool = True,
     desc: str = "bench",
+    text_prompts=None,
 ) -> tuple[dict, list]:
     """One load run; returns (summary, records)."""
     bar = (
@@ -82,6 +90,7 @@ def bench_once(
                 logprobs=logprobs,
                 cluster=traffic_cluster,
                 bar=bar,
+                text_prompts=text_prompts,
             )
         )
     finally:
@@ -143,6 +152,7 @@ def main_serve(args: argparse.Namespace, workload: Workload, slo: SLO) -> int:
         timeout=args.timeout,
         logprobs=not args.no_logprobs,
         traffic_cluster=args.traffic_cluster,
+        text_prompts=load_text_prompts() if args.text_prompts else None,
     )
     write_json(out, "records.json", [r.to_json() for r in records])
     path = write_json(out, "summary.json", summary)
