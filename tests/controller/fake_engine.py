@@ -1,22 +1,42 @@
 """A tiny exporter with the engine's metric names, for Prometheus-side tests that need no model.
 
 Tests set the latencies it reports; it observes them into real prometheus_client histograms and serves
-them over HTTP, so Prometheus computes real histogram_quantile values from real scrapes.
+them over HTTP, so Prometheus computes real histogram_quantile values from real scrapes. The same port
+answers the engine's admin API (GET/PATCH /admin/v1/config, bearer token) like `stallfree serve` does, so
+a controller can apply settings to it; tests read what was applied from `patches`.
 """
 
 from __future__ import annotations
 
+import json
 import threading
-import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from promserver import free_port
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class FakeEngine:
-    def __init__(self, clusters=("chat", "summarization")) -> None:
+    """`host`/`port`: where it listens (a free port on 127.0.0.1 by default). `admin_token`: the bearer
+    token the admin API wants (None: no check). Set `admin_error` to an HTTP status to make every
+    PATCH fail with it (an engine that cannot take settings)."""
+
+    def __init__(
+        self,
+        clusters=("chat", "summarization"),
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        admin_token: str | None = None,
+    ) -> None:
         r = self.registry = CollectorRegistry()
         lab = ["traffic_cluster"]
         self.tbt = Histogram("stallfree_time_between_tokens_seconds", "tbt", lab, buckets=BUCKETS, registry=r)
@@ -64,15 +84,33 @@ class FakeEngine:
             self.max_running.labels(c).set(32)
             self.reject.labels(c, "queue_full")
             self.requests.labels(c, "stop")
-        self.port = free_port()
-        self._server, _ = start_http_server(self.port, addr="127.0.0.1", registry=r)
+        self.config: dict = {
+            "tokenBudget": 512,
+            "trafficClusters": {c: {"chunkCap": 256, "maxWaiting": 64, "maxRunning": 32} for c in clusters},
+        }
+        self.admin_token = admin_token
+        self.admin_error: int | None = None
+        self.patches: list[dict] = []  # every PATCH /admin/v1/config body that was applied, in order
+        self.host, self.port = host, port or free_port()
+        self._server = ThreadingHTTPServer((host, self.port), _handler(self))
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    def apply_patch(self, doc: dict) -> None:
+        """Merge a PATCH /admin/v1/config document, as the engine does, and export the new budget."""
+        if "tokenBudget" in doc:
+            self.config["tokenBudget"] = int(doc["tokenBudget"])
+            self.budget.set(self.config["tokenBudget"])
+        for name, knobs in (doc.get("trafficClusters") or {}).items():
+            self.config["trafficClusters"].setdefault(name, {}).update(knobs)
+        self.patches.append(doc)
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
@@ -99,4 +137,45 @@ class FakeEngine:
     def close(self) -> None:
         self._stop.set()
         self._server.shutdown()
-        time.sleep(0)
+        self._server.server_close()
+
+
+def _handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _admin_denied(self) -> bool:
+            if engine.admin_token and self.headers.get("authorization") != f"Bearer {engine.admin_token}":
+                self._send(401, b'{"error": "missing or wrong admin token"}')
+                return True
+            return False
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path.split("?")[0] == "/metrics":
+                self._send(200, generate_latest(engine.registry), CONTENT_TYPE_LATEST)
+            elif self.path == "/admin/v1/config":
+                if not self._admin_denied():
+                    self._send(200, json.dumps(engine.config).encode())
+            else:
+                self._send(404, b"{}")
+
+        def do_PATCH(self) -> None:  # noqa: N802
+            if self.path != "/admin/v1/config":
+                self._send(404, b"{}")
+            elif not self._admin_denied():
+                if engine.admin_error:
+                    self._send(engine.admin_error, b'{"error": "the engine cannot take settings now"}')
+                    return
+                doc = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                engine.apply_patch(doc)
+                self._send(200, json.dumps(engine.config).encode())
+
+        def log_message(self, format: str, *args: object) -> None:  # quiet: tests read `patches`
+            pass
+
+    return Handler

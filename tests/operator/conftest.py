@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-# Helper modules next to these tests (crd_schema.py) import by name, like tests/conftest.py arranges for tests/.
+# Helper modules next to these tests (crd_schema.py) import by name, like tests/conftest.py arranges for tests/;
+# so do the controller's (promserver.py, fake_engine.py) for test_controller_k8s.py.
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[1] / "controller"))
 
 from conftest_k8s import K8sEnv, OperatorProcess, crd, k8s, namespace  # noqa: F401  (fixtures)
 
