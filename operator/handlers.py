@@ -65,7 +65,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.peering.standalone = True
-    settings.posting.level = logging.INFO  # handler log lines at INFO and above become Kubernetes Events
+    # kopf.info()/kopf.warn() post Kubernetes Events at INFO and above. Handler log lines do not (kopf's
+    # settings.posting.loggers stays off): handlers post the Events they mean explicitly.
+    settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 8
 

@@ -6,7 +6,8 @@ Every `spec.controller.intervalSeconds` the timer reads the fleet's metrics from
   the SLOMet / MetricsAvailable conditions) — never to spec, so GitOps tools see no drift,
 - re-applies the children, so the ConfigMap's engine.yaml carries the tuned values (a restarted pod comes
   back tuned) and the Deployment the chosen replica count,
-- posts a Kubernetes Event per change (kopf turns INFO log lines of the handler's logger into Events).
+- posts a Kubernetes Event per change and a Warning when it starts holding settings (explicitly: kopf
+  does not turn handler log lines into Events unless settings.posting.loggers is on, and it is off).
 
 Register on the operator's registry with `register(registry, config)` (stallfree.operator.handlers).
 This is the only controller module that imports kopf.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,12 @@ from stallfree.operator.status import merge_conditions
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 5.0  # the kopf timer's period; each resource acts on its own spec.controller.intervalSeconds
+
+EventPoster = Callable[[str, str, str], None]  # (type "Normal" | "Warning", reason, message)
+
+
+def no_events(type_: str, reason: str, message: str) -> None:
+    """The EventPoster outside an operator (tests): kopf can only post Events from inside one."""
 
 
 def fleet_selector(namespace: str, name: str) -> str:
@@ -86,7 +94,8 @@ class PodApplier:
             ip = st.get("podIP")
             if st.get("phase") != "Running" or not ip:
                 continue
-            url = f"http://{ip}:{self.spec.engine.port}/admin/v1/config"
+            host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod IP needs brackets in a URL
+            url = f"http://{host}:{self.spec.engine.port}/admin/v1/config"
             try:
                 httpx.patch(url, json=settings.engine_patch(), headers=headers, timeout=5).raise_for_status()
             except httpx.HTTPError as e:
@@ -113,9 +122,16 @@ class _Slot:
 
 
 def step_resource(
-    body: dict, patch: Any, logger: Any, memo: Any, config: OperatorConfig, now: float | None = None
+    body: dict,
+    patch: Any,
+    logger: Any,
+    memo: Any,
+    config: OperatorConfig,
+    now: float | None = None,
+    post_event: EventPoster = no_events,
 ) -> dict | None:
-    """One timer tick for one SarathiDeployment; returns the status patch written (None when idle)."""
+    """One timer tick for one SarathiDeployment; returns the status patch written (None when idle).
+    `post_event` posts Kubernetes Events on the SarathiDeployment (see register)."""
     spec = parse_spec(body.get("spec") or {})
     if not spec.controller.enabled:
         return None
@@ -144,17 +160,28 @@ def step_resource(
     if now < slot.next_at:
         return None
     slot.next_at = now + spec.controller.interval_seconds
+    was_holding = slot.loop.holding is not None
     step = slot.loop.step()
     doc = slot.loop.status()
     doc["conditions"] = merge_conditions((body.get("status") or {}).get("conditions"), doc["conditions"])
     patch.status.update(doc)
     if step.action != HOLD:
-        logger.info("budget controller: %s (%s)", step.action, step.reason)
+        message = f"budget controller: {step.action} ({step.reason})"
+        logger.info("%s", message)
+        post_event("Normal", "Tuned", message)
+
+        def record(reason: str, change: str) -> None:  # one child re-applied ("updated ConfigMap x")
+            logger.info("%s", change)
+            post_event("Normal", reason, change)
+
         # engine.yaml in the ConfigMap and the Deployment's replicas follow status: apply them now.
         new_body = {**body, "status": {**(body.get("status") or {}), **doc}}
-        memo.reconciler.apply_children(memo.reconciler.context(new_body), logger)
+        memo.reconciler.apply_children(memo.reconciler.context(new_body), record)
     elif step.holding:
-        logger.warning("budget controller holding settings: %s", step.reason)
+        message = f"budget controller holding settings: {step.reason}"
+        logger.warning("%s", message)
+        if not was_holding:  # one Warning when holding starts, not one per tick while it lasts
+            post_event("Warning", "HoldingSettings", message)
     return doc
 
 
@@ -166,7 +193,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         interval=TICK_SECONDS, initial_delay=TICK_SECONDS, idle=None,
     )  # fmt: skip
     def budget_controller(body: kopf.Body, patch: kopf.Patch, logger: Any, memo: kopf.Memo, **_: Any) -> None:
+        def post_event(type_: str, reason: str, message: str) -> None:
+            post = kopf.warn if type_ == "Warning" else kopf.info
+            post(body, reason=reason, message=message)
+
         try:
-            step_resource(dict(body), patch, logger, memo, config)
+            step_resource(dict(body), patch, logger, memo, config, post_event=post_event)
         except ValueError as e:  # the reconcile handler reports invalid specs
             logger.debug("budget controller skipped: %s", e)
