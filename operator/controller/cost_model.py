@@ -46,14 +46,27 @@ class LinearCostModel:
 
 @dataclass(frozen=True, slots=True)
 class ProfiledCostModel:
-    """A `stallfree profile` fit (stallfree.bench.costmodel.CostModel) behind this module's interface:
-    decodes attend over `context` tokens each, prefill chunks start at position 0 (a conservative mean)."""
+    """A `stallfree profile` fit (stallfree.bench.costmodel.CostModel) behind this module's interface.
+
+    Decodes attend over `context` tokens each. A prefill token attends, on average over its prompt, to half
+    the prompt before it, whatever the chunking (a prompt of P tokens costs P^2/2 query-key pairs in one
+    chunk or in many), so prefill attention is charged at context/2 per token. Treating a budget-sized
+    chunk as one prompt starting at 0 instead would charge budget/2 per token and make budgets larger
+    than the prompts look slower than they are."""
 
     fit: object
 
     def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
-        p, d = int(max(n_prefill, 0)), int(max(n_decode, 0))
-        return float(self.fit.iteration_time(p, d, 0, int(max(context, 0))))  # type: ignore[attr-defined]
+        p, d, c = max(n_prefill, 0.0), max(n_decode, 0.0), max(context, 0.0)
+        features = {
+            "const": 1.0,
+            "prefill_tokens": p,
+            "prefill_attn": p * c / 2,
+            "prefill_chunks": 1.0 if p > 0 else 0.0,
+            "decode_tokens": d,
+            "decode_attn": d * (c + 1) if d > 0 else 0.0,
+        }
+        return float(self.fit.predict(features))  # type: ignore[attr-defined]
 
 
 # Built in: measured shape of SmolLM2-135M on a 2-core CPU, padded up (conservative: longer iterations
@@ -88,6 +101,19 @@ def prefill_capacity(model: CostModel, budget: int, n_decode: float, context: fl
     p = max(budget - d, 0.0)
     t = model.iteration_time(p, d, context)
     return p / t if t > 0 else 0.0
+
+
+def budget_for_demand(
+    model: CostModel, demand: float, n_decode: float, context: float, lo: int, hi: int, align: int
+) -> int:
+    """Smallest aligned budget in [lo, hi] whose modelled prefill capacity serves `demand` tokens/s; the
+    budget with the most capacity when none does (capacity need not be monotone in the budget)."""
+    step = max(align, 1)
+    candidates = list(range(lo, hi + 1, step)) or [lo]
+    for b in candidates:
+        if prefill_capacity(model, b, n_decode, context) >= demand:
+            return b
+    return max(candidates, key=lambda b: prefill_capacity(model, b, n_decode, context))
 
 
 def load_cost_model(path: str | Path | None) -> CostModel:

@@ -8,11 +8,13 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
 2. TBT violated with the budget on its floor, or prefill tokens arriving faster than the budget can serve
    (cost model), or TTFT/queue pressure with no TBT slack left -> scale out (up to replicas.max), else shed
    the lowest-priority cluster with traffic (halve its maxWaiting).
-3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget, at most
-   `max_grow` per step and never past the calibrated TBT limit.
+3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget by
+   `max_grow`, or, when prefill arrivals exceed the modelled capacity, straight to the budget the cost
+   model says serves them; never past the calibrated TBT limit.
 4. Lasting slack (`scale_in_after` intervals) -> undo shedding first, then step a lowered budget back up
-   toward the spec's (`budget_home`, within the calibrated TBT limit), then scale in when the load fits in
-   one replica fewer.
+   toward the spec's (`budget_home`, within the calibrated TBT limit) by half the pressure step (probing,
+   like additive increase after a multiplicative decrease), then scale in when the load fits in one
+   replica fewer.
 
 Hysteresis: ratios observed/SLO between `slack` and `violate` hold, and a new budget aims at `target`
 (inside that band), so a steady signal never flips direction. Cooldowns count intervals since the last change.
@@ -27,6 +29,7 @@ from dataclasses import dataclass, replace
 from stallfree.operator.controller.cost_model import (
     BUILTIN,
     CostModel,
+    budget_for_demand,
     budget_for_time,
     prefill_capacity,
 )
@@ -99,7 +102,9 @@ def _read(
         ):
             if r is not None:
                 pressures.append((r, s.name, what))
-        if c.waiting >= 1 and c.waiting_trend > 0:
+        # A queue counts as growing when it gained at least a request per interval: a single arrival
+        # caught between iterations at light load is not pressure (shedding on it would hurt).
+        if c.waiting >= 2 and c.waiting_trend * cfg.interval_s >= 1:
             pressures.append((cfg.violate + c.waiting_trend, s.name, "queue growing"))
         if c.rejection_rate > 0:
             pressures.append((cfg.violate + c.rejection_rate, s.name, "requests rejected"))
@@ -252,7 +257,14 @@ def decide(
         else:
             why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
         if r.tbt_slack and b < cfg.budget_max:
-            nb = cfg.clamp_budget(min(r.budget_limit, b * (1 + cfg.max_grow)))
+            step = b * (1 + cfg.max_grow)
+            if r.overloaded:  # the cost model says how far: straight to a budget that serves the demand
+                need = budget_for_demand(
+                    model, r.demand / (cfg.overload * settings.replicas), r.n_decode, r.context,
+                    cfg.budget_min, cfg.budget_max, cfg.align,
+                )  # fmt: skip
+                step = max(step, need)
+            nb = cfg.clamp_budget(min(r.budget_limit, step))
             if nb > b:
                 if st.intervals_since_change < cfg.grow_cooldown:
                     return out(capped, HOLD, f"{why}; cooling down after the last change")
@@ -279,7 +291,9 @@ def decide(
             )
         home = cfg.budget_home
         if home is not None and b < home and r.tbt_slack:
-            nb = cfg.clamp_budget(min(home, r.budget_limit, b * (1 + cfg.max_grow)))
+            # Half the step pressure gets: this is probing, not a response to pressure. A budget lowered
+            # for TBT was too large for this traffic not long ago; big steps back would re-violate it.
+            nb = cfg.clamp_budget(min(home, r.budget_limit, b * (1 + cfg.max_grow / 2)))
             if nb > b:
                 return out(
                     replace(capped, token_budget=nb),
