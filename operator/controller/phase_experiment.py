@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -100,6 +101,7 @@ class Rec:
     scheduled: float | None = None
     tokens: list[float] = field(default_factory=list)  # sample times, one per output token
     done: bool = False
+    rejected: bool = False  # refused at admission (maxWaiting), as the server's 429
 
 
 def run(
@@ -147,6 +149,10 @@ def run(
     while (pending or sched.has_unfinished()) and clock < horizon:
         while pending and pending[0].arrival <= clock:
             r = pending.popleft()
+            bound = settings.knobs(r.cluster).max_waiting
+            if bound is not None and sched.count_by_cluster(sched.waiting).get(r.cluster, 0) >= bound:
+                recs[r.index].rejected = True  # the server's 429: shedding costs requests here too
+                continue
             sched.add_request(Request(request_id=str(r.index), prompt_token_ids=[1] * r.prompt,
                                       sampling_params=SamplingParams(max_tokens=r.output, ignore_eos=True),
                                       arrival_time=r.arrival, traffic_cluster=r.cluster,
@@ -249,15 +255,21 @@ def score(recs: list[Rec], specs, starts: list[float], phase_s: float) -> dict:
     }
 
 
-def recovery_intervals(timeline: list[dict], starts: list[float], specs) -> list[int | None]:
-    """Per phase change: control intervals after it until every cluster's windowed P99 TBT is within its
-    SLO again (0 = never out of it, None = not within SLO before the next phase change)."""
+def recovery_intervals(timeline: list[dict], starts: list[float], specs, interval: float) -> list[int | None]:
+    """Per phase change: control intervals from the change until every cluster's windowed P99 TBT is
+    within its SLO again, after the first violation the change caused (0 = no violation in that phase,
+    None = still violated at the next phase change)."""
     slo = {s.name: s.slo.tbt_p99 for s in specs}
     out: list[int | None] = []
     for t0, t1 in zip(starts[1:], [*starts[2:], float("inf")], strict=True):
         after = [x for x in timeline if t0 < x["t"] <= t1]
         ok = [all(v is None or v <= slo[n] for n, v in x["tbt_p99"].items()) for x in after]
-        out.append(next((i for i, good in enumerate(ok) if good), None))
+        bad = next((i for i, good in enumerate(ok) if not good), None)
+        if bad is None:
+            out.append(0)
+            continue
+        back = next((i for i in range(bad + 1, len(ok)) if ok[i]), None)
+        out.append(None if back is None else math.ceil((after[back]["t"] - t0) / interval - 1e-9))
     return out
 
 
@@ -269,20 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase-seconds", type=float, default=300.0)
     p.add_argument(
         "--phases",
-        default="0.3/0.02,0/0.5,0.3/0.02,0/0.5",
+        default="0.6/0.1,0/0.55,0.6/0.1,0/0.55",
         help="CHAT_QPS/SUMM_QPS per phase, comma-separated (default: interactive, document batch, x2)",
     )
     p.add_argument("--chat-scale", type=float, default=0.05, help="CPU scaling of ShareGPT lengths")
     p.add_argument("--summ-scale", type=float, default=0.25, help="CPU scaling of arXiv lengths")
-    p.add_argument("--chat-tbt-slo", type=float, default=1.0)
+    p.add_argument("--chat-tbt-slo", type=float, default=0.8)
     p.add_argument("--chat-ttft-slo", type=float, default=20.0)
     p.add_argument("--summ-tbt-slo", type=float, default=5.0)
-    p.add_argument("--summ-ttft-slo", type=float, default=60.0)
+    p.add_argument("--summ-ttft-slo", type=float, default=30.0)
     p.add_argument("--budgets", default="128,256,384,512,768,1024,1536,2048")
     p.add_argument("--initial", type=int, default=512)
     p.add_argument("--interval", type=float, default=10.0, help="control interval, simulated seconds")
     p.add_argument("--window", type=float, default=30.0, help="longest metrics window, simulated seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma list of workload seeds; medians are reported")
     a = p.parse_args(argv)
     from stallfree.bench.costmodel import CostModel
 
@@ -298,48 +310,76 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in a.budgets.split(",")]
     cfg = ControllerConfig(budget_min=min(budgets), budget_max=max(budgets), align=32, interval_s=a.interval,
                            budget_home=a.initial, scale_in_after=3)  # fmt: skip
-    reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), a.seed)
+    seeds = [int(x) for x in str(a.seeds).split(",")]
+    runs = [one_seed(a, seed, phases, fit, specs, cfg, budgets) for seed in seeds]
+    results = runs[0]  # the first seed's full record is the one plotted
+    summaries = [r["summary"] for r in runs]
+    med = {
+        k: float(np.median([s[k] for s in summaries]))
+        for k in ("adaptive_vs_best_static", "adaptive_vs_oracle")
+    }
+    recov = [x for s in summaries for x in s["recovery_intervals"]]
+    results["seeds"] = {
+        "seeds": seeds,
+        "per_seed": [{"seed": sd, **s} for sd, s in zip(seeds, summaries, strict=True)],
+        "median": med,
+        "recovery_intervals_all": recov,
+        "worst_recovery": None if None in recov else max(recov, default=0),
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, budgets, results["starts"], phases, specs, a, out / "phase_shift.png")
+    for sd, s in zip(seeds, summaries, strict=True):
+        print(f"seed {sd}: adaptive {s['adaptive_goodput']:.3f} req/s; best static {s['best_static_budget']}: "
+              f"{s['best_static_goodput']:.3f}; oracle {s['oracle_goodput']:.3f} (budgets {s['oracle_budgets']}); "
+              f"adaptive/best static {s['adaptive_vs_best_static']:.2f}x, adaptive/oracle "
+              f"{s['adaptive_vs_oracle']:.2f}x; recovery intervals {s['recovery_intervals']}")  # fmt: skip
+    print(f"median over {len(seeds)} seed(s): adaptive/best static {med['adaptive_vs_best_static']:.2f}x, "
+          f"adaptive/oracle {med['adaptive_vs_oracle']:.2f}x; worst recovery "
+          f"{results['seeds']['worst_recovery']} intervals")  # fmt: skip
+    return 0
+
+
+def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: list[int]) -> dict:
+    """Every static budget and the adaptive controller on one seeded workload."""
+    reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), seed)
     horizon = a.phase_seconds * len(starts) + 1800
-    results: dict = {"config": vars(a), "num_requests": len(reqs), "static": {}, "adaptive": None}
+    results: dict = {"config": vars(a), "seed": seed, "starts": starts, "num_requests": len(reqs),
+                     "static": {}, "adaptive": None}  # fmt: skip
     for b in budgets:
         recs, tl = run(reqs, fit, specs, cfg, b, False, a.interval, a.window, horizon)
         sc = score(recs, specs, starts, a.phase_seconds)
-        sc["recovery_intervals"] = recovery_intervals(tl, starts, specs)
+        sc["recovery_intervals"] = recovery_intervals(tl, starts, specs, a.interval)
         results["static"][b] = sc
-        print(f"static {b:5d}: goodput {sc['goodput']:.3f} req/s, attainment {sc['attainment']:.1%}, "
+        print(f"seed {seed} static {b:5d}: goodput {sc['goodput']:.3f} req/s, attainment {sc['attainment']:.1%}, "
               f"per phase {[p['good'] for p in sc['phases']]}", file=sys.stderr)  # fmt: skip
     recs, tl = run(reqs, fit, specs, cfg, a.initial, True, a.interval, a.window, horizon)
     ad = score(recs, specs, starts, a.phase_seconds)
     ad["timeline"] = tl
-    ad["recovery_intervals"] = recovery_intervals(tl, starts, specs)
+    ad["recovery_intervals"] = recovery_intervals(tl, starts, specs, a.interval)
+    ad["rejected"] = sum(r.rejected for r in recs)
     results["adaptive"] = ad
-    best_static = max(results["static"], key=lambda b: results["static"][b]["goodput"])
-    per_phase_best = [
-        max(budgets, key=lambda b, i=i: results["static"][b]["phases"][i]["good"]) for i in range(len(starts))
-    ]
+    best_static = max(budgets, key=lambda b: results["static"][b]["goodput"])
+
+    def best_in_phase(i: int) -> int:
+        return max(budgets, key=lambda b: results["static"][b]["phases"][i]["good"])
+
+    per_phase_best = [best_in_phase(i) for i in range(len(starts))]
     oracle = sum(results["static"][b]["phases"][i]["good"] for i, b in enumerate(per_phase_best))
     oracle_goodput = oracle / (a.phase_seconds * len(starts))
     results["summary"] = {
         "best_static_budget": best_static,
         "best_static_goodput": results["static"][best_static]["goodput"],
         "adaptive_goodput": ad["goodput"],
+        "adaptive_attainment": ad["attainment"],
         "oracle_goodput": oracle_goodput,
         "oracle_budgets": per_phase_best,
         "adaptive_vs_best_static": ad["goodput"] / max(results["static"][best_static]["goodput"], 1e-9),
         "adaptive_vs_oracle": ad["goodput"] / max(oracle_goodput, 1e-9),
         "recovery_intervals": ad["recovery_intervals"],
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, budgets, starts, phases, specs, a, out / "phase_shift.png")
-    s = results["summary"]
-    print(f"adaptive goodput {s['adaptive_goodput']:.3f} req/s (attainment {ad['attainment']:.1%}, per phase "
-          f"{[p['good'] for p in ad['phases']]}); best static {best_static}: {s['best_static_goodput']:.3f}; "
-          f"oracle {s['oracle_goodput']:.3f} (budgets {per_phase_best}); adaptive/best static "
-          f"{s['adaptive_vs_best_static']:.2f}x, adaptive/oracle {s['adaptive_vs_oracle']:.2f}x; "
-          f"recovery intervals after each phase change {s['recovery_intervals']}")  # fmt: skip
-    return 0
+    return results
 
 
 def plot(results: dict, budgets: list[int], starts: list[float], phases, specs, a, path: Path) -> None:

@@ -49,13 +49,15 @@ def test_recovery_intervals_count_from_each_phase_change():
     specs = (ClusterSpec("chat", Slo(10, 1.0, 10)), ClusterSpec("summarization", Slo(60, 5.0, 60)))
     tl = [
         {"t": 10, "tbt_p99": {"chat": 0.5, "summarization": None}},
-        {"t": 110, "tbt_p99": {"chat": 2.0, "summarization": 1.0}},  # phase 2 starts at 100: violated
+        {"t": 101, "tbt_p99": {"chat": None, "summarization": 1.0}},  # phase 2 starts at 100: not seen yet
+        {"t": 110, "tbt_p99": {"chat": 2.0, "summarization": 1.0}},  # violated
         {"t": 120, "tbt_p99": {"chat": 1.5, "summarization": 1.0}},
-        {"t": 130, "tbt_p99": {"chat": 0.9, "summarization": 1.0}},  # back within after 2 intervals
+        {"t": 130, "tbt_p99": {"chat": 0.9, "summarization": 1.0}},  # back within: 3 intervals after 100
+        {"t": 140, "tbt_p99": {"chat": 3.0, "summarization": 1.0}},  # a later violation does not count
         {"t": 210, "tbt_p99": {"chat": None, "summarization": 4.0}},  # phase 3: never out
         {"t": 310, "tbt_p99": {"chat": 3.0, "summarization": 9.0}},  # phase 4: never back
     ]
-    assert pe.recovery_intervals(tl, [0, 100, 200, 300], specs) == [2, 0, None]
+    assert pe.recovery_intervals(tl, [0, 100, 200, 300], specs, 10.0) == [3, 0, None]
 
 
 def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
