@@ -396,6 +396,9 @@ def plot(results: dict, budgets: list[int], starts: list[float], phases, specs, 
     ax1.set_xlabel("static token budget")
     ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
     ax1.legend(loc="lower right")
+    ax1.set_title(
+        f"workload seed {results['seed']} (of {len(results.get('seeds', {}).get('seeds', [0]))})", fontsize=9
+    )
     tl = results["adaptive"]["timeline"]
     ts = [x["t"] for x in tl]
     ax2.step(ts, [x["budget"] for x in tl], where="post", color="C3", lw=2, label="adaptive budget")
@@ -416,10 +419,11 @@ def plot(results: dict, budgets: list[int], starts: list[float], phases, specs, 
     ax2b.axhline(1.0, color="k", ls=":", lw=0.8)
     ax2b.set_ylabel("windowed P99 TBT / SLO")
     ax2b.set_ylim(0, 3)
-    ax2.legend(loc="upper left", fontsize=8)
-    ax2b.legend(loc="upper right", fontsize=8)
+    h1, l1 = ax2.get_legend_handles_labels()
+    h2, l2 = ax2b.get_legend_handles_labels()
+    ax2.legend(h1 + h2, l1 + l2, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 if __name__ == "__main__":
