@@ -74,6 +74,7 @@ class ControlLoop:
     # A fresh loop waits out the cooldowns before its first change: a restarted controller does not jump.
     state: State = field(default_factory=lambda: State(intervals_since_change=0, intervals_since_scale=0))
     holding: str | None = None  # why settings are held (missing data / failed apply); None when not
+    apply_error: str | None = None  # the last apply's failure while it lasts (holding says so too)
     last_change: float = field(default=0.0)
     last: Step | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=2000))
@@ -102,7 +103,7 @@ class ControlLoop:
         try:
             snap = self.source.snapshot(self.effective_window(now), names)
         except MetricsUnavailable as e:
-            self.holding = str(e)
+            self.holding, self.apply_error = str(e), None
             log.warning("holding settings: %s", e)
             return self._record(
                 Step(now, self.settings, HOLD, f"holding last good settings: {e}", None, True)
@@ -111,10 +112,11 @@ class ControlLoop:
         try:
             self.apply(d.settings)
         except ApplyFailed as e:
+            self.apply_error = str(e)
             self.holding = f"could not apply settings: {e}"
             log.warning("%s", self.holding)
             return self._record(Step(now, self.settings, HOLD, self.holding, snap, True, d))
-        self.holding = None
+        self.holding = self.apply_error = None
         met = {s.name: m for s in self.specs if (m := _slo_met(s, snap.cluster(s.name))) is not None}
         if d.settings != self.settings:
             self.last_change = now
@@ -188,7 +190,9 @@ class ControlLoop:
 
     def conditions(self, all_met: bool | None) -> list[dict]:
         now = _iso(self.clock())
-        if self.holding:
+        # Metrics read but the engines refused the settings: the data is fine, the apply is not; say so
+        # in its own condition rather than blaming the metrics.
+        if self.holding and self.apply_error is None:
             metrics = {
                 "type": "MetricsAvailable",
                 "status": "False",
@@ -201,6 +205,20 @@ class ControlLoop:
                 "status": "True",
                 "reason": "MetricsRead",
                 "message": "engine metrics are fresh",
+            }
+        if self.apply_error is not None:
+            applied = {
+                "type": "SettingsApplied",
+                "status": "False",
+                "reason": "ApplyFailed",
+                "message": f"holding last good settings: {self.apply_error}",
+            }
+        else:
+            applied = {
+                "type": "SettingsApplied",
+                "status": "True",
+                "reason": "Applied",
+                "message": "every engine runs the settings in status",
             }
         if all_met is None:
             slo = {
@@ -223,7 +241,7 @@ class ControlLoop:
                 "reason": "SLOViolated",
                 "message": self.last.reason if self.last else "",
             }
-        return [{**c, "lastTransitionTime": now} for c in (metrics, slo)]
+        return [{**c, "lastTransitionTime": now} for c in (metrics, applied, slo)]
 
 
 def _slo_met(spec: ClusterSpec, c) -> bool | None:

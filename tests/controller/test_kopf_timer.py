@@ -97,7 +97,7 @@ def test_tick_tunes_writes_status_and_events(fleet, caplog):
     chat = next(c for c in doc["trafficClusters"] if c["name"] == "chat")
     assert chat["observedTbtP99Seconds"] > 0.1 and chat["sloMet"] is False
     conds = {c["type"]: c["status"] for c in doc["conditions"]}
-    assert conds == {"MetricsAvailable": "True", "SLOMet": "False"}
+    assert conds == {"MetricsAvailable": "True", "SettingsApplied": "True", "SLOMet": "False"}
     assert any("budget controller: lower" in r.getMessage() for r in caplog.records)
     # The children are re-applied from a body whose status carries the tuned budget (engine.yaml follows).
     assert memo.reconciler.applied[-1]["status"]["budget"]["tokenBudget"] == doc["budget"]["tokenBudget"]

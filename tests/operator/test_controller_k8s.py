@@ -249,12 +249,13 @@ def test_budget_controller_tunes_holds_and_never_writes_spec(
 
         def refused() -> dict | None:
             cr = k8s.get("sarathideployment", NAME, ns)
-            c = condition(cr, "MetricsAvailable")
-            return cr if c.get("status") == "False" and "could not apply" in c.get("message", "") else None
+            c = condition(cr, "SettingsApplied")
+            return cr if c.get("status") == "False" else None
 
         cr = wait_until(refused, timeout=WAIT, what="holding because the engine refused the settings")
-        c = condition(cr, "MetricsAvailable")
-        assert c["reason"] == "HoldingSettings" and "503" in c["message"], c
+        c = condition(cr, "SettingsApplied")
+        assert c["reason"] == "ApplyFailed" and "503" in c["message"], c
+        assert condition(cr, "MetricsAvailable")["status"] == "True", "the metrics were fine: only the apply failed"
         held = knobs(cr)
         assert engine_yaml(k8s, ns)["tokenBudget"] == held["tokenBudget"] == engine.config["tokenBudget"]
         hold_for_ticks(k8s, ns, held)
