@@ -143,7 +143,10 @@ def step_resource(
     if not url:
         cond = {"type": "MetricsAvailable", "status": "False", "reason": "NoPrometheus",
                 "message": "set spec.controller.prometheusUrl or the operator's --prometheus-url"}  # fmt: skip
-        doc = {"conditions": merge_conditions((body.get("status") or {}).get("conditions"), [cond])}
+        have = (body.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "MetricsAvailable" and c.get("reason") == "NoPrometheus" for c in have):
+            return None  # said already: no status write every tick
+        doc = {"conditions": merge_conditions(have, [cond])}
         patch.status.update(doc)
         return doc
     if slot is None or slot.generation != gen:

@@ -179,3 +179,19 @@ def test_pod_applier_names_the_pods_it_could_not_reach():
     port = free_port()  # nothing listens there: connection refused
     with pytest.raises(ApplyFailed, match=r"^smollm2-x: .*(refused|connect)"):
         applier(pod("smollm2-x", "127.0.0.1"), port=port)(Settings(256, 1, {}))
+
+
+def test_without_prometheus_the_condition_is_written_once():
+    """No URL anywhere: say so in a condition, then stay quiet instead of patching status every tick."""
+    status: dict = {}
+    memo = types.SimpleNamespace()
+    docs = []
+    for now in (0.0, 5.0, 10.0):
+        p = Patch()
+        docs.append(
+            step_resource(body(status), p, logging.getLogger("kopf.test"), memo, OperatorConfig(), now=now)
+        )
+        status.update(p.status)
+    assert docs[0] is not None and docs[1:] == [None, None]
+    (cond,) = [c for c in status["conditions"] if c["type"] == "MetricsAvailable"]
+    assert cond["status"] == "False" and cond["reason"] == "NoPrometheus"
