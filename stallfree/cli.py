@@ -20,8 +20,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("stallfree.bench.profile", "profile iteration time and fit a cost model"),
     "tune": ("stallfree.bench.tune", "derive a token budget from a TBT SLO and a cost model"),
     "simulate": ("stallfree.bench.simulate", "discrete-event simulation with the real scheduler"),
-    "engine-bench": ("stallfree.engine.bench", "engine micro-benchmarks: chunking overhead, decode, overhead"),
-    "serve-bench": ("stallfree.engine.server.bench_http", "HTTP serving vs offline LLM.generate: throughput, added latency"),
+    "engine-bench": (
+        "stallfree.engine.bench",
+        "engine micro-benchmarks: chunking overhead, decode, overhead",
+    ),
+    "serve-bench": (
+        "stallfree.engine.server.bench_http",
+        "HTTP serving vs offline LLM.generate: throughput, added latency",
+    ),
 }
 
 
@@ -52,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
-            print(f"stallfree: the {name!r} command is not available in this build ({e.name})", file=sys.stderr)
+            print(
+                f"stallfree: the {name!r} command is not available in this build ({e.name})", file=sys.stderr
+            )
             return 2
         raise
     return int(module.main(rest) or 0)

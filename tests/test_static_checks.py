@@ -1,4 +1,4 @@
-"""House style as tests: ruff over the repo and mypy over the typed core (STYLE.md, habit 7).
+"""House style as tests: ruff lint and format over the repo and mypy over the typed core (STYLE.md, habit 7).
 
 Both tools run from the venv running pytest, from the repo root, so pyproject.toml's settings apply.
 """
@@ -23,6 +23,13 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_ruff_check_passes() -> None:
     proc = _run("ruff", "check", ".")
     assert proc.returncode == 0, f"ruff check failed:\n{proc.stdout}{proc.stderr}"
+
+
+def test_ruff_format_is_clean() -> None:
+    proc = _run("ruff", "format", "--check", ".")
+    assert proc.returncode == 0, (
+        f"ruff format would change files (run `ruff format .`):\n{proc.stdout}{proc.stderr}"
+    )
 
 
 def test_mypy_passes_on_typed_paths() -> None:

@@ -41,8 +41,14 @@ class LogitRecorder:
 
 
 def make_llm(loaded, policy="sarathi", token_budget=4096, num_kv_blocks=200, **kw) -> LLM:
-    return LLM(loaded_model=loaded, policy=policy, token_budget=token_budget, num_kv_blocks=num_kv_blocks,
-               max_num_seqs=kw.pop("max_num_seqs", 16), **kw)
+    return LLM(
+        loaded_model=loaded,
+        policy=policy,
+        token_budget=token_budget,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=kw.pop("max_num_seqs", 16),
+        **kw,
+    )
 
 
 def first_logits_and_greedy(loaded, ids, max_tokens=6, **kw):

@@ -52,7 +52,9 @@ def test_mixed_batches_give_each_request_its_solo_output(default_model):
     prompts = [prompt_ids(tok, n)[k:] for k, n in enumerate([40, 150, 17, 90, 260])]
     solo = [make_llm(default_model).generate([p], greedy(10), use_tqdm=False)[0].token_ids for p in prompts]
     for policy, budget in [("sarathi", 32), ("sarathi", 100), ("vllm", 64), ("orca", 64), ("static", 64)]:
-        outs = make_llm(default_model, policy=policy, token_budget=budget).generate(prompts, greedy(10), use_tqdm=False)
+        outs = make_llm(default_model, policy=policy, token_budget=budget).generate(
+            prompts, greedy(10), use_tqdm=False
+        )
         assert [o.token_ids for o in outs] == solo, f"{policy} budget {budget} changed an output"
 
 
@@ -67,7 +69,9 @@ def _chunk_sees_only_itself(out, block_size, device):
     spans = tuple(
         attention_mod.PrefillSpan(p.q_start, p.q_len, 0, p.kv_slots[p.context_len :]) for p in meta.prefills
     )
-    return attention_mod.AttentionMetadata(**{**{f: getattr(meta, f) for f in meta.__slots__}, "prefills": spans})
+    return attention_mod.AttentionMetadata(
+        **{**{f: getattr(meta, f) for f in meta.__slots__}, "prefills": spans}
+    )
 
 
 def _sees_the_future(self, q, keys, vals, context_len):

@@ -26,7 +26,9 @@ def test_seed_reproduces_whatever_shares_the_batch(llm, prompt, default_model):
         use_tqdm=False,
     )[1].token_ids
     assert alone == mixed
-    other_seed = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=99), use_tqdm=False)
+    other_seed = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=99), use_tqdm=False
+    )
     assert other_seed[0].token_ids != alone
 
 
@@ -38,7 +40,9 @@ def test_top_k_one_equals_greedy(llm, prompt):
 
 def test_tiny_top_p_equals_greedy(llm, prompt):
     g = llm.generate([prompt], greedy(12), use_tqdm=False)[0]
-    p = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=3), use_tqdm=False)
+    p = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=3), use_tqdm=False
+    )
     assert p[0].token_ids == g.token_ids
 
 
@@ -65,7 +69,9 @@ def test_stop_token_id_ends_after_the_token(llm, prompt):
 
 
 def test_max_tokens_gives_length(llm, prompt):
-    out = llm.generate([prompt], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
 
 

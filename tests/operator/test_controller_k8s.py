@@ -255,7 +255,9 @@ def test_budget_controller_tunes_holds_and_never_writes_spec(
         cr = wait_until(refused, timeout=WAIT, what="holding because the engine refused the settings")
         c = condition(cr, "SettingsApplied")
         assert c["reason"] == "ApplyFailed" and "503" in c["message"], c
-        assert condition(cr, "MetricsAvailable")["status"] == "True", "the metrics were fine: only the apply failed"
+        assert condition(cr, "MetricsAvailable")["status"] == "True", (
+            "the metrics were fine: only the apply failed"
+        )
         held = knobs(cr)
         assert engine_yaml(k8s, ns)["tokenBudget"] == held["tokenBudget"] == engine.config["tokenBudget"]
         hold_for_ticks(k8s, ns, held)

@@ -131,7 +131,9 @@ def test_disconnect_before_the_stream_starts_still_aborts(server):
     from urllib.parse import urlparse
 
     aborted = server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
-    body = json.dumps({"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    )
     u = urlparse(server.url)
     auth = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
     raw = (
