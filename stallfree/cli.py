@@ -28,6 +28,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "stallfree.engine.server.bench_http",
         "HTTP serving vs offline LLM.generate: throughput, added latency",
     ),
+    "phase-sim": (
+        "stallfree.operator.controller.phase_experiment",
+        "budget controller vs every static budget on a phase-shifting workload (simulator)",
+    ),
+    "phase-live": (
+        "stallfree.operator.controller.phase_live",
+        "the same on real `stallfree up` deployments",
+    ),
 }
 
 

@@ -1,13 +1,14 @@
 """Adaptive budget vs every static budget on a phase-shifting workload, in the simulator.
 
-    python -m stallfree.operator.controller.phase_experiment --cost-model cost_model.json --out DIR
+    stallfree phase-sim --cost-model cost_model.json --out DIR [--seeds 0,1,2,3,4]
 
 The simulator (stallfree.bench) runs the REAL scheduler on a clock advanced by a profiled cost model. The
-workload shifts between chat (ShareGPT lengths) alone and chat plus long-prompt summarization (arXiv
-lengths), both CPU-scaled. Every static budget in --budgets runs the same workload with chunk caps equal to
-the budget (what serving stacks do today); the adaptive run starts at --initial and lets the decision core
-(stallfree.operator.controller.decide) retune budget and chunk caps every --interval simulated seconds from
-windowed P99s, exactly as the live loop does. Writes results.json and phase_shift.png; prints a table.
+workload shifts between phases given as chat (ShareGPT lengths) and summarization (arXiv lengths) arrival
+rates, both CPU-scaled; the default alternates interactive traffic (chat + some documents) with a document
+batch. Every static budget in --budgets runs the same workload with chunk caps equal to the budget (what
+serving stacks do today); the adaptive run starts at --initial and lets the decision core
+(stallfree.operator.controller.decide) retune budget, chunk caps and admission every --interval simulated
+seconds from windowed P99s, as the live loop does. Writes results.json and phase_shift.png; prints a table.
 
 Goodput = requests per second that met their cluster's SLOs (P99 TTFT and P99 TBT per request). The oracle
 picks the best static budget separately for each phase.
@@ -274,7 +275,7 @@ def recovery_intervals(timeline: list[dict], starts: list[float], specs, interva
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m stallfree.operator.controller.phase_experiment", description=__doc__,
+    p = argparse.ArgumentParser(prog="stallfree phase-sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--cost-model", required=True, help="cost_model.json from `stallfree profile`")
     p.add_argument("--out", required=True, help="folder for results.json and phase_shift.png")

@@ -1,6 +1,6 @@
 """Adaptive budget vs every static budget on a phase-shifting workload, against a REAL local deployment.
 
-    python -m stallfree.operator.controller.phase_live --out DIR [--budgets 128,512,2048] [--phases ...]
+    stallfree phase-live --out DIR [--budgets 128,512,2048] [--phases ...]
 
 The live counterpart of phase_experiment (the simulator). The workload is the same (its build_workload:
 Poisson chat requests with ShareGPT lengths and summarization requests with arXiv lengths, CPU-scaled, at
@@ -384,7 +384,7 @@ def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: flo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m stallfree.operator.controller.phase_live", description=__doc__,
+    p = argparse.ArgumentParser(prog="stallfree phase-live", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument(
         "--out", required=True, help="folder for results.json, phase_live.png, records, specs, logs"
