@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import signal
@@ -141,9 +140,9 @@ def deployment(cfg: LiveConfig, static_budget: int | None) -> dict:
 def validate_deployment(doc: dict) -> dict:
     """The check `stallfree up` runs on its file (stallfree.local.config.validate: CRD schema with its
     defaults, unknown fields, cross-field rules); raises ValueError (LocalConfigError) naming the field."""
-    # NOTE: imported by name: a static import would pull stallfree.local into mypy's scope (STYLE.md).
-    config = importlib.import_module("stallfree.local.config")
-    return config.validate(doc)
+    from stallfree.local.config import validate
+
+    return validate(doc)
 
 
 # ---- one `stallfree up` process ------------------------------------------------------------------------
