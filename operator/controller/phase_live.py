@@ -321,7 +321,7 @@ def judge(
     lags = [r.sent - r.arrival for r in records if r.sent is not None]
     sc["send_lag_s"] = {"p50": float(np.median(lags)), "max": float(max(lags))} if lags else None
     tl = client_timeline(recs, [s.name for s in specs], step, window)
-    sc["client_recovery_intervals"] = recovery_intervals(tl, starts, specs)
+    sc["client_recovery_intervals"] = recovery_intervals(tl, starts, specs, step)
     sc["client_timeline"] = tl
     return sc
 
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         records, info = run_one(name, docs[name], reqs, a, out, timeout)
         sc = {**judge(records, reqs, specs, starts, a.phase_seconds, a.interval, a.window), **info}
         if b is None:
-            sc["recovery_intervals"] = recovery_intervals(sc["timeline"], starts, specs)
+            sc["recovery_intervals"] = recovery_intervals(sc["timeline"], starts, specs, a.interval)
             results["adaptive"] = sc
         else:
             del sc["timeline"]  # no decisions with the controller off; budgets_seen shows B held
