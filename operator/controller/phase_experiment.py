@@ -21,6 +21,7 @@ import json
 import math
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -330,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, budgets, results["starts"], phases, specs, a, out / "phase_shift.png")
+    n = len(seeds)
+    plot(results, budgets, results["starts"], phases, specs, a.phase_seconds, out / "phase_shift.png",
+         title=f"workload seed {results['seed']} (of {n})")  # fmt: skip
     for sd, s in zip(seeds, summaries, strict=True):
         print(f"seed {sd}: adaptive {s['adaptive_goodput']:.3f} req/s; best static {s['best_static_budget']}: "
               f"{s['best_static_goodput']:.3f}; oracle {s['oracle_goodput']:.3f} (budgets {s['oracle_budgets']}); "
@@ -383,7 +386,21 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
     return results
 
 
-def plot(results: dict, budgets: list[int], starts: list[float], phases, specs, a, path: Path) -> None:
+def plot(
+    results: dict,
+    budgets: Sequence[int],
+    starts: Sequence[float],
+    phases: Sequence[tuple[float, float]],
+    specs: Sequence[ClusterSpec],
+    phase_s: float,
+    path: Path,
+    *,
+    xlabel: str = "simulated seconds",
+    title: str | None = None,
+) -> None:
+    """Left: goodput per static budget with the adaptive and per-phase oracle lines. Right: the adaptive
+    budget over time (log scale) with each cluster's windowed P99 TBT / SLO, phases shaded and labelled.
+    Shared by the simulated and the live experiment."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,25 +414,22 @@ def plot(results: dict, budgets: list[int], starts: list[float], phases, specs, 
     ax1.set_xlabel("static token budget")
     ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
     ax1.legend(loc="lower right")
-    ax1.set_title(
-        f"workload seed {results['seed']} (of {len(results.get('seeds', {}).get('seeds', [0]))})", fontsize=9
-    )
+    if title:
+        ax1.set_title(title, fontsize=9)
     tl = results["adaptive"]["timeline"]
     ts = [x["t"] for x in tl]
     ax2.step(ts, [x["budget"] for x in tl], where="post", color="C3", lw=2, label="adaptive budget")
     for t0, (chat, summ) in zip(starts, phases, strict=True):
-        ax2.axvspan(t0, t0 + a.phase_seconds, color="C1" if chat == 0 else "C2", alpha=0.12)
-        ax2.text(t0 + a.phase_seconds / 2, 0.98, f"chat {chat:g}/s\nsumm {summ:g}/s", ha="center", va="top",
+        ax2.axvspan(t0, t0 + phase_s, color="C1" if chat == 0 else "C2", alpha=0.12)
+        ax2.text(t0 + phase_s / 2, 0.98, f"chat {chat:g}/s\nsumm {summ:g}/s", ha="center", va="top",
                  transform=ax2.get_xaxis_transform(), fontsize=8)  # fmt: skip
     ax2.set_yscale("log", base=2)
-    ax2.set_xlabel("simulated seconds")
+    ax2.set_xlabel(xlabel)
     ax2.set_ylabel("token budget")
     ax2b = ax2.twinx()
     for i, sp in enumerate(specs):
-        ratio = [
-            (x["tbt_p99"][sp.name] / sp.slo.tbt_p99) if x["tbt_p99"].get(sp.name) is not None else np.nan
-            for x in tl
-        ]
+        v = [x["tbt_p99"].get(sp.name) for x in tl]
+        ratio = [np.nan if x is None else x / sp.slo.tbt_p99 for x in v]
         ax2b.plot(ts, ratio, color=f"C{i}", lw=0.8, label=f"{sp.name} P99 TBT / SLO")
     ax2b.axhline(1.0, color="k", ls=":", lw=0.8)
     ax2b.set_ylabel("windowed P99 TBT / SLO")
@@ -425,6 +439,7 @@ def plot(results: dict, budgets: list[int], starts: list[float], phases, specs, 
     ax2.legend(h1 + h2, l1 + l2, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ from stallfree.operator.controller.phase_experiment import (
     Req,
     build_workload,
     parse_phases,
+    plot,
     recovery_intervals,
     score,
 )
@@ -480,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     results["complete"] = True
     results["wall_s"] = round(time.monotonic() - t_all, 1)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, budgets, starts, phases, specs, a.phase_seconds, out / "phase_live.png")
+    plot(results, budgets, starts, phases, specs, a.phase_seconds, out / "phase_live.png",
+         xlabel="seconds since the replay started (live deployment)")  # fmt: skip
     print(table(results, budgets))
     return 0
 
@@ -506,48 +508,6 @@ def table(results: dict, budgets: Sequence[int]) -> str:
         f"{s['recovery_intervals']} (controller's view), {s['client_recovery_intervals']} (client's view)"
     )
     return "\n".join(lines)
-
-
-def plot(results: dict, budgets: Sequence[int], starts: list[float], phases: Sequence[tuple[float, float]],
-         specs: Sequence[ClusterSpec], phase_s: float, path: Path) -> None:  # fmt: skip
-    """Goodput per static budget with the adaptive and oracle lines; the adaptive budget over time with
-    each cluster's P99 TBT / SLO (phase_experiment.plot's layout, wall-clock seconds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [1, 1.5]})
-    ax1.bar([str(b) for b in budgets], [results["static"][b]["goodput"] for b in budgets], color="#999",
-            label="static budget")  # fmt: skip
-    ax1.axhline(results["adaptive"]["goodput"], color="C3", lw=2, label="adaptive controller")
-    ax1.axhline(results["summary"]["oracle_goodput"], color="C0", ls="--", label="per-phase oracle")
-    ax1.set_xlabel("static token budget")
-    ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
-    ax1.legend(loc="lower right")
-    tl = results["adaptive"]["timeline"]
-    ts = [x["t"] for x in tl]
-    ax2.step(ts, [x["budget"] for x in tl], where="post", color="C3", lw=2, label="adaptive budget")
-    for t0, (chat, summ) in zip(starts, phases, strict=True):
-        ax2.axvspan(t0, t0 + phase_s, color="C1" if chat == 0 else "C2", alpha=0.12)
-        ax2.text(t0 + phase_s / 2, 0.98, f"chat {chat:g}/s\nsumm {summ:g}/s", ha="center", va="top",
-                 transform=ax2.get_xaxis_transform(), fontsize=8)  # fmt: skip
-    ax2.set_yscale("log", base=2)
-    ax2.set_xlabel("seconds since the replay started (live deployment)")
-    ax2.set_ylabel("token budget")
-    ax2b = ax2.twinx()
-    for i, sp in enumerate(specs):
-        v = [x["tbt_p99"].get(sp.name) for x in tl]
-        ax2b.plot(ts, [np.nan if x is None else x / sp.slo.tbt_p99 for x in v], color=f"C{i}", lw=0.8,
-                  label=f"{sp.name} P99 TBT / SLO")  # fmt: skip
-    ax2b.axhline(1.0, color="k", ls=":", lw=0.8)
-    ax2b.set_ylabel("controller's windowed P99 TBT / SLO")
-    ax2b.set_ylim(0, 3)
-    ax2.legend(loc="upper left", fontsize=8)
-    ax2b.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
