@@ -43,6 +43,18 @@ CASES = [
     ("ttft-with-slack", dict(chat=dict(tbt_p99=0.03, ttft_p99=2.5, running=4, arrival_rate=2)), RAISE, +1),
     ("delay-with-slack", dict(chat=dict(tbt_p99=0.03, scheduling_delay_p50=1.0, running=4)), RAISE, +1),
     ("queue-growing", dict(chat=dict(tbt_p99=0.03, waiting=10, waiting_trend=0.5, running=4)), RAISE, +1),
+    (
+        "one-waiting-is-no-queue",
+        dict(chat=dict(tbt_p99=0.03, waiting=1, waiting_trend=0.5, running=4)),
+        HOLD,
+        0,
+    ),
+    (
+        "slow-queue-is-no-pressure",
+        dict(chat=dict(tbt_p99=0.03, waiting=5, waiting_trend=0.01, running=4)),
+        HOLD,
+        0,
+    ),
     ("in-band-holds", dict(chat=dict(tbt_p99=0.09, ttft_p99=0.9, running=4)), HOLD, 0),
     ("slack-no-pressure-holds", dict(chat=dict(tbt_p99=0.02, ttft_p99=0.1, running=4)), HOLD, 0),
     ("idle-holds", dict(), HOLD, 0),
@@ -137,6 +149,20 @@ def test_lasting_slack_returns_budget_toward_spec():
         s, state = d.settings, d.state
         budgets.append(s.token_budget)
     assert budgets == sorted(budgets) and budgets[-1] == 1024
+
+
+def test_prefill_overload_jumps_to_a_budget_that_serves_it():
+    """Prefill arrivals far beyond what the budget serves, TBT with slack: one step goes straight to the
+    smallest budget the cost model says serves them (more than the +50% a TTFT-pressure step takes)."""
+    model = LinearCostModel(base=0.1, per_prefill=1e-3, per_decode=0.0, per_decode_context=0.0)
+    cfg = make_config(budget_max=4096)
+    # capacity(b) = b / (0.1 + 1e-3 b): 128 -> 561 tok/s, 1024 -> 911 tok/s; 850 tok/s arriving needs >= ~700
+    snap = make_snapshot(summarization=dict(tbt_p99=0.05, prefill_token_rate=850, arrival_rate=1, running=1))
+    d = decide(snap, start(128, cfg=cfg), State(), SPECS, cfg, model)
+    assert d.action == RAISE and "prefill arrivals" in d.reason
+    b = d.settings.token_budget
+    assert b > 128 * 1.5 and b % cfg.align == 0
+    assert b / (0.1 + 1e-3 * b) >= 850 / cfg.overload > (b - cfg.align) / (0.1 + 1e-3 * (b - cfg.align))
 
 
 def test_chunk_caps_follow_budget():
