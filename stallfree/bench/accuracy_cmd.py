@@ -22,8 +22,8 @@ import numpy as np
 from stallfree.bench.costmodel import CostModel
 from stallfree.bench.metrics import SLO
 from stallfree.bench.report import table, write_json
-from stallfree.bench.simulate import _simulate_once, simulate_capacity
-from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig, parse_policy_entry
+from stallfree.bench.simulate import _simulate_once, sim_config, simulate_capacity
+from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import load_trace
 
 
@@ -45,16 +45,7 @@ def compare(capacity: dict, cost: CostModel, contention: float = 1.0, tolerance:
         if name == "peer" or "server" not in r:
             continue
         policy, budget = parse_policy_entry(name, a.token_budget)
-        cfg = SimConfig(
-            policy=policy,
-            token_budget=budget,
-            max_num_seqs=a.max_num_seqs,
-            num_kv_blocks=a.num_kv_blocks or DEFAULT_KV_BLOCKS,
-            max_model_len=a.max_model_len,
-            chunk_align=a.chunk_align,
-            overhead_s=a.overhead_ms / 1e3,
-            contention=contention,
-        )
+        cfg = sim_config(a, policy, budget, contention)
         for q, m in sorted(r["measured"]["runs"].items(), key=lambda kv: float(kv[0])):
             p = _simulate_once(trace, a, cost, cfg, float(q), slo)
             row = {"server": name, "qps": float(q)}

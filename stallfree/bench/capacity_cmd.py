@@ -95,19 +95,9 @@ def simulated(policy: str, budget: int, trace: Trace, args, slos: list[float], s
     if not args.cost_model:
         return None
     from stallfree.bench.costmodel import CostModel
-    from stallfree.bench.simulate import contention_of, simulate_capacity
-    from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig
+    from stallfree.bench.simulate import contention_of, sim_config, simulate_capacity
 
-    cfg = SimConfig(
-        policy=policy,
-        token_budget=budget,
-        max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=args.num_kv_blocks or DEFAULT_KV_BLOCKS,
-        max_model_len=args.max_model_len,
-        chunk_align=args.chunk_align,
-        overhead_s=args.overhead_ms / 1e3,
-        contention=contention_of(args.contention, CostModel.load(args.cost_model)),
-    )
+    cfg = sim_config(args, policy, budget, contention_of(args.contention, CostModel.load(args.cost_model)))
     return simulate_capacity(trace, args, CostModel.load(args.cost_model), cfg, slos, slo)
 
 

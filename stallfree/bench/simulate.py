@@ -86,6 +86,20 @@ def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: SLO, bar=N
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 
+def sim_config(args, policy: str, budget: int, contention: float) -> SimConfig:
+    """The simulated replica for a bench command's server knobs (--max-num-seqs, --num-kv-blocks, ...)."""
+    return SimConfig(
+        policy=policy,
+        token_budget=budget,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks or DEFAULT_KV_BLOCKS,
+        max_model_len=args.max_model_len,
+        chunk_align=args.chunk_align,
+        overhead_s=args.overhead_ms / 1e3,
+        contention=contention,
+    )
+
+
 def contention_of(arg: str | float, cost: CostModel) -> float:
     """--contention: a factor, or 'profile' for the wall/CPU time factor measured while profiling."""
     if str(arg) == "profile":
@@ -176,16 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         budgets = [int(b) for b in args.token_budget.split(",")]
         configs = [
-            SimConfig(
-                policy=p,
-                token_budget=b,
-                max_num_seqs=args.max_num_seqs,
-                num_kv_blocks=args.num_kv_blocks,
-                max_model_len=args.max_model_len,
-                chunk_align=args.chunk_align,
-                overhead_s=args.overhead_ms / 1e3,
-                contention=contention_of(args.contention, cost),
-            )
+            sim_config(args, p, b, contention_of(args.contention, cost))
             for p in policies
             for b in (budgets if p.startswith("sarathi") else budgets[:1])
         ]

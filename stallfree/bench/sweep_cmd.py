@@ -29,19 +29,10 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | N
     if not args.cost_model:
         return None
     from stallfree.bench.costmodel import CostModel
-    from stallfree.bench.simulate import contention_of
-    from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, SimConfig, simulate
+    from stallfree.bench.simulate import contention_of, sim_config
+    from stallfree.bench.simulator import simulate
 
-    cfg = SimConfig(
-        policy=policy,
-        token_budget=budget,
-        max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=args.num_kv_blocks or DEFAULT_KV_BLOCKS,
-        max_model_len=args.max_model_len,
-        chunk_align=args.chunk_align,
-        overhead_s=args.overhead_ms / 1e3,
-        contention=contention_of(args.contention, CostModel.load(args.cost_model)),
-    )
+    cfg = sim_config(args, policy, budget, contention_of(args.contention, CostModel.load(args.cost_model)))
     wl = make_workload(
         trace,
         args.num_requests,

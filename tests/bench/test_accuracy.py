@@ -58,3 +58,27 @@ def test_command_writes_json_and_refuses_a_missing_file(tmp_path, capsys):
     assert json.loads((out / "accuracy.json").read_text())["runs"]
     assert cli.main(["accuracy", str(tmp_path / "none.json"), "--cost-model", str(tmp_path / "cm.json")]) == 2
     assert "none.json" in capsys.readouterr().err
+
+
+def test_capacity_and_sweep_commands_simulate_the_same_configuration(tmp_path):
+    """The simulator columns of `bench capacity` and `bench sweep` (shared sim_config): same server knobs,
+    and the entry's own budget, as `bench accuracy` uses."""
+    from stallfree.bench import capacity_cmd, sweep_cmd
+
+    cost = make_cost_model()
+    cost.save(tmp_path / "cm.json")
+    trace = make_trace(tmp_path, prompt=1200, output=30)
+    args = SimpleNamespace(
+        cost_model=str(tmp_path / "cm.json"), contention="1", max_num_seqs=128, num_kv_blocks=None,
+        max_model_len=8192, chunk_align=0, overhead_ms=0.0, num_requests=20, qps=0.5, scale=1.0, seed=0,
+        start_qps=0.25, tolerance=0.25, slo_delay=2.0,
+    )  # fmt: skip
+    slo = SLO(ttft=60.0, tbt=0.2)
+    small = capacity_cmd.simulated("sarathi", 128, trace, args, [0.2], slo)
+    large = capacity_cmd.simulated("sarathi", 2048, trace, args, [0.2], slo)
+    assert small["by_tbt_slo"]["0.2"]["capacity_qps"] > large["by_tbt_slo"]["0.2"]["capacity_qps"]
+    p_small = sweep_cmd._predict("sarathi", 128, trace, args, slo)
+    p_large = sweep_cmd._predict("sarathi", 2048, trace, args, slo)
+    assert p_small["tbt_s"]["p99"] < p_large["tbt_s"]["p99"]
+    args.cost_model = None
+    assert capacity_cmd.simulated("sarathi", 128, trace, args, [0.2], slo) is None
