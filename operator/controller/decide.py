@@ -257,7 +257,7 @@ def decide(
         else:
             why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
         if r.tbt_slack and b < cfg.budget_max:
-            step = b * (1 + cfg.max_grow)
+            step = max(b * (1 + cfg.max_grow), b + cfg.align)
             if r.overloaded:  # the cost model says how far: straight to a budget that serves the demand
                 need = budget_for_demand(
                     model, r.demand / (cfg.overload * settings.replicas), r.n_decode, r.context,
@@ -293,7 +293,8 @@ def decide(
         if home is not None and b < home and r.tbt_slack:
             # Half the step pressure gets: this is probing, not a response to pressure. A budget lowered
             # for TBT was too large for this traffic not long ago; big steps back would re-violate it.
-            nb = cfg.clamp_budget(min(home, r.budget_limit, b * (1 + cfg.max_grow / 2)))
+            # At least one tile: +25% of a small budget would round back down to it and never climb.
+            nb = cfg.clamp_budget(min(home, r.budget_limit, max(b * (1 + cfg.max_grow / 2), b + cfg.align)))
             if nb > b:
                 return out(
                     replace(capped, token_budget=nb),

@@ -138,13 +138,15 @@ def test_lasting_slack_restores_then_scales_in():
     assert SCALE_IN in actions and s.replicas < 3
 
 
-def test_lasting_slack_returns_budget_toward_spec():
-    """Long prompts gone, TBT well under the SLO: a lowered budget climbs back to spec.budget.initial."""
-    cfg = make_config(budget_home=1024, scale_in_after=2)
+@pytest.mark.parametrize("floor", [256, 64], ids=["from-256", "from-the-floor-64"])
+def test_lasting_slack_returns_budget_toward_spec(floor):
+    """Long prompts gone, TBT well under the SLO: a lowered budget climbs back to spec.budget.initial, also
+    from a floor so small that +25% would round back down to it."""
+    cfg = make_config(budget_home=1024, scale_in_after=2, budget_min=64)
     quiet = make_snapshot(chat=dict(tbt_p99=0.02, ttft_p99=0.1, running=2))
-    s, state = start(256, cfg=cfg), State()
+    s, state = start(floor, cfg=cfg), State()
     budgets = []
-    for _ in range(20):
+    for _ in range(40):
         d = decide(quiet, s, state, SPECS, cfg)
         s, state = d.settings, d.state
         budgets.append(s.token_budget)
