@@ -106,7 +106,12 @@ def _read(
         # caught between iterations at light load is not pressure (shedding on it would hurt).
         if c.waiting >= 2 and c.waiting_trend * cfg.interval_s >= 1:
             pressures.append((cfg.violate + c.waiting_trend, s.name, "queue growing"))
-        if c.rejection_rate > 0:
+        # 429s count as pressure only at the spec's queue bound: below it the controller shed this cluster
+        # itself, rejections are the intended effect, and counting them would block the slack that undoes it.
+        shed = (settings.knobs(s.name).max_waiting or DEFAULT_MAX_WAITING) < (
+            s.knobs.max_waiting or DEFAULT_MAX_WAITING
+        )
+        if c.rejection_rate > 0 and not shed:
             pressures.append((cfg.violate + c.rejection_rate, s.name, "requests rejected"))
     worst_pressure = max(pressures) if pressures else None
     tbt_slack = all(r < cfg.slack for r, _ in tbt)

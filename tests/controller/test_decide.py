@@ -153,6 +153,20 @@ def test_lasting_slack_returns_budget_toward_spec(floor):
     assert budgets == sorted(budgets) and budgets[-1] == 1024
 
 
+def test_rejections_caused_by_shedding_do_not_block_its_undoing():
+    """A cluster shed by the controller rejects requests; that must not count as pressure, or the lasting
+    slack that restores its queue bound never comes."""
+    cfg = make_config(scale_in_after=2)
+    s, state = start(512, cfg=cfg).with_knobs("chat", max_waiting=8), State()  # shed from the spec's 64
+    snap = make_snapshot(chat=dict(tbt_p99=0.02, ttft_p99=0.1, running=2, rejection_rate=0.5))
+    actions = []
+    for _ in range(6):
+        d = decide(snap, s, state, SPECS, cfg)
+        s, state = d.settings, d.state
+        actions.append(d.action)
+    assert RESTORE in actions and s.knobs("chat").max_waiting > 8
+
+
 def test_prefill_overload_jumps_to_a_budget_that_serves_it():
     """Prefill arrivals far beyond what the budget serves, TBT with slack: one step goes straight to the
     smallest budget the cost model says serves them (more than the +50% a TTFT-pressure step takes)."""

@@ -269,7 +269,7 @@ def test_budget_controller_tunes_holds_and_never_writes_spec(
         engine.admin_error = None
         wait_until(
             lambda: (
-                condition(k8s.get("sarathideployment", NAME, ns), "MetricsAvailable").get("status") == "True"
+                condition(k8s.get("sarathideployment", NAME, ns), "SettingsApplied").get("status") == "True"
             ),
             timeout=WAIT,
             what="the controller back to normal once the engine takes settings again",
