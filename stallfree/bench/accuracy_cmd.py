@@ -36,7 +36,7 @@ def _err(measured: float | None, predicted: float | None) -> float | None:
 def compare(capacity: dict, cost: CostModel, contention: float = 1.0, tolerance: float = 0.05) -> dict:
     """Measured vs simulated, for every stallfree server in a capacity.json document."""
     a = SimpleNamespace(**capacity["args"])
-    a.start_qps, a.tolerance = a.start_qps, tolerance
+    a.tolerance = tolerance  # the simulated search is finer than the measured one
     trace = load_trace(a.trace)
     slos = sorted(float(t) for t in next(iter(capacity["results"].values()))["measured"]["by_tbt_slo"])
     slo = SLO(ttft=a.slo_ttft, tbt=min(slos), scheduling_delay=a.slo_delay)
