@@ -274,6 +274,7 @@ class LLMEngine:
             time_update=t_update,
             prefill_tokens_by_cluster=prefill_by,
             decode_tokens_by_cluster=decode_by,
+            chunk_shapes=tuple((c.num_tokens, c.start, c.is_decode) for c in sched.chunks),
         )
 
 

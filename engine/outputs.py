@@ -77,6 +77,8 @@ class IterationStats:
     time_update: float
     prefill_tokens_by_cluster: dict[str, int] = field(default_factory=dict)
     decode_tokens_by_cluster: dict[str, int] = field(default_factory=dict)
+    # (num_tokens, start, is_decode) per scheduled chunk: what a cost model's features are computed from
+    chunk_shapes: tuple[tuple[int, int, bool], ...] = ()
 
     @property
     def time_total(self) -> float:

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    h.add_argument("--iteration-log", metavar="FILE", default=None, help="append one JSON line per engine "
+                   "iteration (its chunks and timing) to FILE, to fit a cost model to this server with "
+                   "`stallfree profile --from-log FILE`")  # fmt: skip
     return p
 
 
@@ -173,6 +176,7 @@ def build_configs(args: argparse.Namespace):
         traffic=traffic,
         stats_window_s=args.stats_window,
         drain_timeout_s=args.drain_timeout,
+        iteration_log=args.iteration_log,
     )
     return engine_config, settings
 

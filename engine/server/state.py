@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from stallfree.engine.engine import LLMEngine
 from stallfree.engine.server.async_engine import AsyncEngine
 from stallfree.engine.server.errors import Forbidden, NotFound, NotReady, Unauthorized
+from stallfree.engine.server.iteration_log import IterationLog
 from stallfree.engine.server.metrics import PrometheusMetrics
-from stallfree.engine.server.observer import FanOut
+from stallfree.engine.server.observer import EngineObserver, FanOut
 from stallfree.engine.server.stats import WindowStats
 from stallfree.engine.server.traffic import TrafficConfig
 
@@ -30,6 +31,7 @@ class ServerSettings:
     traffic: TrafficConfig = TrafficConfig()
     stats_window_s: float = 60.0
     drain_timeout_s: float = 30.0
+    iteration_log: str | None = None  # JSON lines, one per iteration (`stallfree profile --from-log`)
 
 
 class ServerState:
@@ -44,6 +46,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # the CLI stops uvicorn when loading fails
         self.admin_lock = asyncio.Lock()
         self._load_task: asyncio.Task | None = None
+        self.iteration_log: IterationLog | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start_loading(self) -> None:
@@ -60,7 +63,11 @@ class ServerState:
             return
         self.model_name = engine.loaded.name
         self.metrics = PrometheusMetrics(self.model_name)
-        self.engine = AsyncEngine(engine, self.settings.traffic, FanOut(self.metrics, self.window))
+        observers: list[EngineObserver] = [self.metrics, self.window]
+        if self.settings.iteration_log:
+            self.iteration_log = IterationLog(self.settings.iteration_log)
+            observers.append(self.iteration_log)
+        self.engine = AsyncEngine(engine, self.settings.traffic, FanOut(*observers))
         self.engine.start()
         logger.info("serving %s on http://%s:%d", self.model_name, self.settings.host, self.settings.port)
 
@@ -74,6 +81,8 @@ class ServerState:
                 "drain timed out after %.0f s; aborting what is left", self.settings.drain_timeout_s
             )
         self.engine.stop()
+        if self.iteration_log is not None:
+            self.iteration_log.close()
 
     # ---- checks used by handlers -------------------------------------------------------------------
     def ready_engine(self) -> AsyncEngine:
