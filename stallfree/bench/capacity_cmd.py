@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from stallfree.bench.capacity import CapacitySearch
-from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts
@@ -157,6 +157,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             chunk_align=args.chunk_align,
             model=args.model,
             threads=args.threads,
+            extra_args=iteration_log_args(args.iteration_logs, out, entry.replace("@", "-")),
         )
         log(f"{entry}: starting stallfree serve (budget {budget}, {args.threads} thread(s))")
         with ServerProcess(spec, out / f"server-{entry.replace('@', '-')}.log") as server:

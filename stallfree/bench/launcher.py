@@ -57,6 +57,11 @@ class ServerSpec:
         return cmd + self.extra_args
 
 
+def iteration_log_args(enabled: bool, out: Path, name: str) -> list[str]:
+    """`stallfree serve` arguments for an iteration log next to the server's log (--iteration-logs)."""
+    return ["--iteration-log", str(out / f"iterations-{name}.jsonl")] if enabled else []
+
+
 class ServerProcess:
     """A `stallfree serve` child process; use as a context manager."""
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from stallfree.bench import costmodel
+from stallfree.bench import costmodel, servedfit
 from stallfree.bench.report import pyplot, table, write_json
 
 
@@ -233,7 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared 2-core box)"
     )
     ap.add_argument("--out", default="results/profile", help="folder for cost_model.json and plots")
+    ap.add_argument("--from-log", metavar="LOG", nargs="+", default=None, help="fit to a server's own "
+                    "iterations instead of profiling a grid: iteration logs from `stallfree serve "
+                    "--iteration-log FILE` (or `stallfree bench capacity --iteration-logs`)")  # fmt: skip
+    ap.add_argument("--target", choices=servedfit.TARGETS, default="period", help="with --from-log: fit "
+                    "the period between iteration ends (what a streaming client sees) or the step's own "
+                    "wall time (default %(default)s)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.from_log:
+        if not 0 <= args.holdout < 1:
+            ap.error("--holdout must be in [0, 1)")
+        return from_log(args)
 
     import torch
 
@@ -321,6 +331,46 @@ def main(argv: list[str] | None = None) -> int:
                 title="\ndecode-only iterations",
             )
         )
+    print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
+    return 0
+
+
+def from_log(args: argparse.Namespace) -> int:
+    try:
+        points = servedfit.read_log(args.from_log, args.target)
+    except ValueError as e:
+        print(f"stallfree profile: {e}", file=sys.stderr)
+        return 2
+    model, fit_error = servedfit.fit_points(points, args.holdout, args.seed)
+    model.meta = {
+        "source": "iteration-log",
+        "logs": [str(p) for p in args.from_log],
+        "target": args.target,
+        "num_iterations": len(points),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "fit_error": fit_error,
+        # The log's times are the served wall times, contention included: nothing to scale.
+        "contention_factor": 1.0,
+        "units": "seconds per iteration; features as in stallfree.bench.costmodel",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save(out / "cost_model.json")
+    write_json(out, "profile.json", {"points": points, "cost_model": model.to_json()})
+    png = servedfit.plot(points, out)
+    rows = [[k, f"{v:.4g}"] for k, v in model.coefficients.items()]
+    print(table(["feature", "seconds per unit"], rows, title=f"cost model (served {args.target}s)"))
+    fe, p99 = fit_error["held_out"], fit_error["held_out_p99_s"]
+    if fe["median"] is not None:
+        print(
+            f"\nfit on {fit_error['num_train']} iterations; relative error on {fit_error['num_held_out']} "
+            f"held out: median {fe['median']:.1%}, p90 {fe['p90']:.1%}; held-out P99 "
+            f"{p99['measured'] * 1e3:.0f} ms measured, {p99['predicted'] * 1e3:.0f} ms predicted"
+        )
+    else:
+        print(f"\nfit on {fit_error['num_train']} iterations; too few to hold any out")
     print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
     return 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from stallfree.bench.capacity_cmd import warm_up
-from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, summarize
 from stallfree.bench.report import latency_cells, ms, pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once
@@ -123,7 +123,8 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
         mine = [b for p, b in configs if p == policy]
         spec = ServerSpec(policy=policy, token_budget=mine[0], max_num_seqs=args.max_num_seqs,
                           num_kv_blocks=args.num_kv_blocks, chunk_align=args.chunk_align, model=args.model,
-                          threads=args.threads)  # fmt: skip
+                          threads=args.threads,
+                          extra_args=iteration_log_args(args.iteration_logs, out, policy))  # fmt: skip
         print(f"{policy}: starting stallfree serve", file=sys.stderr, flush=True)
         with ServerProcess(spec, out / f"server-{policy}.log") as server:
             warm_up(server.url, trace, args)

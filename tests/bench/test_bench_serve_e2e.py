@@ -11,7 +11,7 @@ import json
 import pytest
 
 from stallfree.bench import cli
-from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import OK, REJECTED, SLO
 from stallfree.bench.serve_cmd import bench_once
 from stallfree.bench.traces import TraceRequest, Workload
@@ -21,9 +21,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
     spec = ServerSpec(policy="sarathi", token_budget=64, max_num_seqs=8, num_kv_blocks=256,
-                      extra_args=["--traffic-cluster", "name=tight,header=tight,maxWaiting=1,maxRunning=1"])  # fmt: skip
-    with ServerProcess(spec, tmp_path_factory.mktemp("server") / "server.log") as s:
+                      extra_args=["--traffic-cluster", "name=tight,header=tight,maxWaiting=1,maxRunning=1",
+                                  *iteration_log_args(True, folder, "e2e")])  # fmt: skip
+    with ServerProcess(spec, folder / "server.log") as s:
+        s.iteration_log = folder / "iterations-e2e.jsonl"
         yield s
 
 
@@ -51,6 +54,26 @@ def test_records_are_complete_and_consistent(server):
     assert srv["tbt_s"]["count"] == sum(req.output_tokens - 1 for req in wl.requests)
     assert summary["scheduling_delay_source"] == "server metrics"
     assert 0 <= summary["scheduling_delay_s"]["p50"] <= summary["ttft_s"]["p99"]
+
+
+def test_iteration_log_accounts_for_every_token(server):
+    """`--iteration-log`: the run's iterations prefill every prompt token once and decode every other output
+    token once, and each busy iteration's period is at least its own step."""
+    before = len(server.iteration_log.read_text().splitlines()) if server.iteration_log.exists() else 0
+    wl = workload([(70, 5), (33, 8), (120, 3)], gap=0.2)
+    summary, _ = bench_once(server.url, wl, SLO(ttft=60, tbt=30), progress=False)
+    assert summary["outcomes"]["ok"] == 3
+    lines = server.iteration_log.read_text().splitlines()[before:]  # flushed when the engine went idle
+    recs = [json.loads(x) for x in lines]
+    chunks = [c for r in recs for c in r["chunks"]]
+    assert sum(n for n, _, dec in chunks if not dec) == 70 + 33 + 120
+    assert sum(1 for _, _, dec in chunks if dec) == (5 - 1) + (8 - 1) + (
+        3 - 1
+    )  # the first token ends prefill
+    assert all(n <= 64 for n, _, _ in chunks)  # the token budget holds
+    periods = [(r["period_s"], r["step_s"]) for r in recs if r["period_s"] is not None]
+    assert periods and all(p >= s * 0.999 for p, s in periods)
+    assert recs[0]["period_s"] is None  # the engine was idle before the run: that gap is not a cost
 
 
 def test_429s_are_recorded_as_rejected(server):
