@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,7 +179,8 @@ def local_deployment(
                 if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"stallfree up not ready after {ready_timeout:g} s; see {log_path}")
+                raise TimeoutError(f"stallfree up not ready after {ready_timeout:g} s; {log_path}:\n"
+                                   f"{_tail(log_path)}{_replica_tails(log_path)}")  # fmt: skip
             time.sleep(0.5)
         yield base
     finally:
@@ -193,6 +195,14 @@ def local_deployment(
 
 def _tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _replica_tails(up_log: Path) -> str:
+    """The ends of the engine replicas' logs, found through the folder `stallfree up` printed."""
+    m = re.search(r"logs in (\S+)", up_log.read_text(errors="replace"))
+    if not m:
+        return ""
+    return "".join(f"\n--- {p}:\n{_tail(p)}" for p in sorted(Path(m.group(1)).glob("replica-*.log")))
 
 
 class StatusPoller:
