@@ -7,10 +7,14 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    decode is the failure users see.
 2. TBT violated with the budget on its floor, or prefill tokens arriving faster than the budget can serve
    (cost model), or TTFT/queue pressure with no TBT slack left -> scale out (up to replicas.max), else shed
-   the lowest-priority cluster with traffic (halve its maxWaiting).
+   the lowest-priority cluster with traffic. With the budget on its floor, what still makes iterations slow
+   is the running decodes themselves (their number and, on CPU, their context), which only admission can
+   reduce: so for TBT, shedding first caps that cluster's running requests at half of what runs now
+   (maxRunning); otherwise, and once it runs one request, it halves its queue bound (maxWaiting).
 3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget by
    `max_grow`, or, when prefill arrivals exceed the modelled capacity, straight to the budget the cost
    model says serves them; never past the calibrated TBT limit.
+   A capped maxRunning is undone first when its own cluster shows TTFT or queue pressure with TBT slack.
 4. Lasting slack (`scale_in_after` intervals) -> undo shedding first, then step a lowered budget back up
    toward the spec's (`budget_home`, within the calibrated TBT limit) by half the pressure step (probing,
    like additive increase after a multiplicative decrease), then scale in when the load fits in one
@@ -52,6 +56,7 @@ from stallfree.operator.controller.types import (
 )
 
 DEFAULT_MAX_WAITING = 256  # what shedding starts from when neither settings nor spec bound a queue
+DEFAULT_MAX_RUNNING = 256  # what a capped maxRunning is restored to when the spec sets none (>= maxNumSeqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,7 @@ class _Reading:
     all_slack: bool  # every ratio under `slack` and no queue growing
     tbt_slack: bool  # every TBT ratio under `slack`
     budget_limit: int  # largest budget the calibrated cost model allows for the TBT target
+    time_limit: float  # calibrated iteration seconds that keep the strictest TBT at target (inf: no data)
     overloaded: bool  # prefill arrivals beyond `overload` x modelled capacity
     demand: float  # prefill tokens per second, fleet-wide
     capacity: float  # modelled prefill tokens per second per replica at the current budget
@@ -89,7 +95,7 @@ def _read(
     tbt_worst = max(tbt) if tbt else None
     # Calibrated time limit, in model seconds: scale the prediction at the current budget by how far each
     # cluster's observed P99 TBT is from target x its SLO; the strictest cluster bounds the budget.
-    limit = cfg.budget_max
+    limit, allowed = cfg.budget_max, float("inf")
     if tbt and predicted > 0:
         allowed = predicted * min(cfg.target / r if r > 0 else float("inf") for r, _ in tbt)
         limit = budget_for_time(model, allowed, n_decode, context, cfg.budget_min, cfg.budget_max)
@@ -126,6 +132,7 @@ def _read(
         all_slack=all_slack,
         tbt_slack=tbt_slack,
         budget_limit=limit,
+        time_limit=allowed,
         overloaded=overloaded,
         demand=demand,
         capacity=capacity,
@@ -163,18 +170,43 @@ def _shed_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec
     return name, max(cfg.min_max_waiting, current // 2)
 
 
-def _restore_target(settings: Settings, specs: Sequence[ClusterSpec]):
-    """The highest-priority shed cluster and its maxWaiting one step (x2) back toward the spec."""
+def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], cfg: ControllerConfig):
+    """For TBT at the budget floor: the lowest-priority cluster with traffic, when it runs two or more
+    requests per replica, and a maxRunning of half of them; None otherwise (then its queue is shed)."""
+    live = [
+        s for s in specs if (c := snap.cluster(s.name)).arrival_rate > 0 or c.waiting > 0 or c.running > 0
+    ]
+    if not live:
+        return None
+    s = min(live, key=lambda s: (s.priority, -snap.cluster(s.name).prefill_token_rate))
+    per_replica = int(snap.cluster(s.name).running / max(settings.replicas, 1))
+    limit = settings.knobs(s.name).max_running
+    new = max(1, per_replica // 2)
+    if per_replica < 2 or (limit is not None and limit <= new):
+        return None
+    return s.name, new
+
+
+def _restore_target(settings: Settings, specs: Sequence[ClusterSpec], only: str | None = None):
+    """The highest-priority shed cluster (or `only`) and its knob, one step (x2) back toward the spec:
+    ("max_running" | "max_waiting", name, value); running first, as it is what limits service."""
     shed = []
     for s in specs:
-        now = settings.knobs(s.name).max_waiting
-        want = s.knobs.max_waiting if s.knobs.max_waiting is not None else DEFAULT_MAX_WAITING
-        if now is not None and now < want:
-            shed.append((-s.priority, s.name, min(want, max(now * 2, 1))))
+        if only is not None and s.name != only:
+            continue
+        for rank, knob, default in (
+            (0, "max_running", DEFAULT_MAX_RUNNING),
+            (1, "max_waiting", DEFAULT_MAX_WAITING),
+        ):
+            now = getattr(settings.knobs(s.name), knob)
+            spec = getattr(s.knobs, knob)
+            want = spec if spec is not None else default
+            if now is not None and now < want:
+                shed.append((-s.priority, rank, s.name, knob, min(want, max(now * 2, 1))))
     if not shed:
         return None
-    _, name, value = min(shed)
-    return name, value
+    _, _, name, knob, value = min(shed)
+    return knob, name, value
 
 
 def initial_settings(
@@ -226,12 +258,22 @@ def decide(
             cluster_reasons={n: reason for n in names},
         )
 
-    def escalate(why: str) -> Decision:
+    def escalate(why: str, decode_bound: bool = False) -> Decision:
         if st.intervals_since_scale < cfg.scale_cooldown:
             return out(capped, HOLD, f"{why}; waiting for the last scale/shed to take effect")
         if settings.replicas < cfg.replicas_max:
             n = settings.replicas + 1
             return out(replace(capped, replicas=n), SCALE_OUT, f"{why}: replicas {settings.replicas} -> {n}")
+        throttle = _throttle_target(snap, settings, specs, cfg) if decode_bound else None
+        if throttle is not None:
+            name, mr = throttle
+            return out(
+                capped.with_knobs(name, max_running=mr),
+                SHED,
+                f"{why}; at replicas.max ({cfg.replicas_max}): shed lowest-priority cluster {name}, "
+                f"maxRunning -> {mr} per replica",
+                who=name,
+            )
         target = _shed_target(snap, settings, specs, cfg)
         if target is None:
             return out(capped, HOLD, f"{why}; at replicas.max and nothing left to shed")
@@ -243,6 +285,15 @@ def decide(
             who=name,
         )
 
+    def _admits(name: str, max_running: int) -> bool:
+        """Whether the calibrated cost model keeps TBT within target with `name` running up to
+        `max_running` per replica (from its queue) on top of what runs now."""
+        c, reps = snap.cluster(name), max(settings.replicas, 1)
+        extra = max(0.0, min(max_running - c.running / reps, c.waiting / reps))
+        n2 = r.n_decode + extra
+        ctx = (r.context * r.n_decode + c.mean_context * extra) / n2 if n2 else 0.0
+        return model.iteration_time(max(b - n2, 0.0), n2, ctx) <= r.time_limit
+
     # 1. TBT violated: shrink first.
     if r.tbt_worst and r.tbt_worst[0] > cfg.violate:
         ratio, who = r.tbt_worst
@@ -252,7 +303,7 @@ def decide(
                 return out(capped, HOLD, f"{why}; cooling down after the last change")
             nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
             return out(replace(capped, token_budget=nb), LOWER, f"{why}: budget {b} -> {nb}", direction=-1)
-        return escalate(f"{why} with the budget at its floor {cfg.budget_min}")
+        return escalate(f"{why} with the budget at its floor {cfg.budget_min}", decode_bound=True)
 
     # 2./3. Prefill overload or TTFT / queue pressure.
     if r.pressure or r.overloaded:
@@ -261,6 +312,14 @@ def decide(
             why = f"{what} of {who} at {ratio:.2f}x its SLO" if what.startswith("P") else f"{what} in {who}"
         else:
             why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
+        if r.pressure and r.tbt_slack:  # a cluster capped for TBT gets its running requests back first,
+            back = _restore_target(settings, specs, only=r.pressure[1])  # as far as TBT allows
+            if back is not None and back[0] == "max_running" and _admits(back[1], back[2]):
+                if st.intervals_since_change < cfg.grow_cooldown:
+                    return out(capped, HOLD, f"{why}; cooling down after the last change")
+                _, name, mr = back
+                return out(capped.with_knobs(name, max_running=mr), RESTORE,
+                           f"{why}, TBT has slack: {name} maxRunning -> {mr}", who=name)  # fmt: skip
         if r.tbt_slack and b < cfg.budget_max:
             step = max(b * (1 + cfg.max_grow), b + cfg.align)
             if r.overloaded:  # the cost model says how far: straight to a budget that serves the demand
@@ -287,11 +346,12 @@ def decide(
     if st.slack_streak >= cfg.scale_in_after and st.intervals_since_scale >= cfg.scale_cooldown:
         restore = _restore_target(settings, specs)
         if restore is not None:
-            name, mw = restore
+            knob, name, value = restore
+            label = "maxRunning" if knob == "max_running" else "maxWaiting"
             return out(
-                capped.with_knobs(name, max_waiting=mw),
+                capped.with_knobs(name, **{knob: value}),
                 RESTORE,
-                f"lasting slack: {name} maxWaiting -> {mw}",
+                f"lasting slack: {name} {label} -> {value}",
                 who=name,
             )
         home = cfg.budget_home

@@ -135,7 +135,10 @@ def run(
         return SchedulerTunables(
             token_budget=s.token_budget,
             clusters=tuple(
-                TrafficClusterLimits(sp.name, s.knobs(sp.name).chunk_cap, None, sp.priority) for sp in specs
+                TrafficClusterLimits(
+                    sp.name, s.knobs(sp.name).chunk_cap, s.knobs(sp.name).max_running, sp.priority
+                )
+                for sp in specs
             ),
         )
 

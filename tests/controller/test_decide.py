@@ -103,6 +103,59 @@ def test_floor_with_tbt_failing_scales_out_then_sheds():
     assert d2.settings.knobs("chat").max_waiting == 64
 
 
+def test_tbt_at_the_floor_caps_the_lowest_priority_running_set_before_its_queue():
+    """With the budget on its floor, chat's stalls come from the decodes that run (summarization's long
+    contexts): halve what the lowest-priority cluster may run, each time the cooldown allows; once it runs
+    one request, shed its queue instead."""
+    cfg = make_config()
+    s, state = start(128, 1, cfg), State()
+    actions = []
+    for running in (12, 6, 3, 1):
+        snap = make_snapshot(
+            chat=dict(tbt_p99=0.3, running=4, arrival_rate=2),
+            summarization=dict(
+                tbt_p99=0.2, running=running, waiting=20, arrival_rate=0.5, prefill_token_rate=800
+            ),
+        )
+        d = decide(snap, s, replace(state, intervals_since_scale=99), SPECS, cfg)
+        s, state = d.settings, d.state
+        actions.append((d.action, s.knobs("summarization").max_running, s.knobs("summarization").max_waiting))
+    assert actions == [(SHED, 6, 32), (SHED, 3, 32), (SHED, 1, 32), (SHED, 1, 16)]
+    assert "maxRunning -> 6" in decide(
+        make_snapshot(chat=dict(tbt_p99=0.3, running=4), summarization=dict(running=12, waiting=3)),
+        start(128, 1, cfg), replace(State(), intervals_since_scale=99), SPECS, cfg,
+    ).reason  # fmt: skip
+    assert s.knobs("chat").max_running is None  # the higher-priority cluster keeps its running set
+
+
+def test_a_capped_running_set_comes_back_under_pressure_only_as_far_as_tbt_allows():
+    capped = start(512).with_knobs("summarization", max_running=4)
+    queued = dict(running=4, waiting=30, ttft_p99=25.0, tbt_p99=0.1, arrival_rate=0.5, mean_context=600)
+    # Chat has slack and the model says 4 more decodes still fit the TBT target: running 4 -> 8.
+    # Chat at 0.75x its TBT SLO (slack): the calibrated limit is 0.85 / 0.75 of today's iteration.
+    roomy = LinearCostModel(base=0.02, per_prefill=1e-5, per_decode=5e-4, per_decode_context=0.0)
+    snap = make_snapshot(chat=dict(tbt_p99=0.075, running=4), summarization=queued)
+    d = decide(snap, capped, State(), SPECS, CFG, roomy)
+    assert d.action == RESTORE and d.settings.knobs("summarization").max_running == 8, d.reason
+    # Decodes so costly that 4 more would break chat's TBT target: not restored (the budget may still grow).
+    heavy = LinearCostModel(base=0.02, per_prefill=1e-5, per_decode=0.05, per_decode_context=0.0)
+    d = decide(snap, capped, State(), SPECS, CFG, heavy)
+    assert d.action != RESTORE and d.settings.knobs("summarization").max_running == 4, d.reason
+
+
+def test_lasting_slack_restores_running_before_the_queue():
+    cfg = make_config(scale_in_after=2)
+    s = start(512, cfg=cfg).with_knobs("summarization", max_running=128, max_waiting=16)
+    quiet = make_snapshot(chat=dict(tbt_p99=0.01, ttft_p99=0.05, running=1))
+    state, seen = State(), []
+    for _ in range(30):
+        d = decide(quiet, s, state, SPECS, cfg)
+        s, state = d.settings, d.state
+        if d.action == RESTORE:
+            seen.append(d.reason.split(": ")[1])
+    assert seen == ["summarization maxRunning -> 256", "summarization maxWaiting -> 32"]
+
+
 def test_scale_cooldown_holds_after_scale_out():
     cfg = make_config(replicas_max=3)
     snap = make_snapshot(chat=dict(tbt_p99=0.3, running=8, arrival_rate=2))
