@@ -188,8 +188,9 @@ def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[Cluster
 
 
 def _restore_target(settings: Settings, specs: Sequence[ClusterSpec], only: str | None = None):
-    """The highest-priority shed cluster (or `only`) and its knob, one step (x2) back toward the spec:
-    ("max_running" | "max_waiting", name, value); running first, as it is what limits service."""
+    """The highest-priority shed cluster (or `only`) and its knob back toward the spec: ("max_running" |
+    "max_waiting", name, value); running first, as it is what limits service. A queue bound comes back one
+    step (x2) at a time; a running cap straight to the spec (the caller may stop short of it)."""
     shed = []
     for s in specs:
         if only is not None and s.name != only:
@@ -202,7 +203,8 @@ def _restore_target(settings: Settings, specs: Sequence[ClusterSpec], only: str 
             spec = getattr(s.knobs, knob)
             want = spec if spec is not None else default
             if now is not None and now < want:
-                shed.append((-s.priority, rank, s.name, knob, min(want, max(now * 2, 1))))
+                value = want if knob == "max_running" else min(want, max(now * 2, 1))
+                shed.append((-s.priority, rank, s.name, knob, value))
     if not shed:
         return None
     _, _, name, knob, value = min(shed)
@@ -294,6 +296,18 @@ def decide(
         ctx = (r.context * r.n_decode + c.mean_context * extra) / n2 if n2 else 0.0
         return model.iteration_time(max(b - n2, 0.0), n2, ctx) <= r.time_limit
 
+    def _admitted(name: str, want: int) -> int | None:
+        """The largest running cap for `name`, doubling from today's up to `want`, that `_admits`; None
+        when not even one doubling does."""
+        now = settings.knobs(name).max_running or want
+        best, v = None, now
+        while v < want:
+            v = min(want, v * 2)
+            if not _admits(name, v):
+                break
+            best = v
+        return best
+
     # 1. TBT violated: shrink first.
     if r.tbt_worst and r.tbt_worst[0] > cfg.violate:
         ratio, who = r.tbt_worst
@@ -314,10 +328,11 @@ def decide(
             why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
         if r.pressure and r.tbt_slack:  # a cluster capped for TBT gets its running requests back first,
             back = _restore_target(settings, specs, only=r.pressure[1])  # as far as TBT allows
-            if back is not None and back[0] == "max_running" and _admits(back[1], back[2]):
+            mr = _admitted(back[1], back[2]) if back is not None and back[0] == "max_running" else None
+            if back is not None and mr is not None:
                 if st.intervals_since_change < cfg.grow_cooldown:
                     return out(capped, HOLD, f"{why}; cooling down after the last change")
-                _, name, mr = back
+                name = back[1]
                 return out(capped.with_knobs(name, max_running=mr), RESTORE,
                            f"{why}, TBT has slack: {name} maxRunning -> {mr}", who=name)  # fmt: skip
         if r.tbt_slack and b < cfg.budget_max:

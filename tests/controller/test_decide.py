@@ -137,6 +137,10 @@ def test_a_capped_running_set_comes_back_under_pressure_only_as_far_as_tbt_allow
     snap = make_snapshot(chat=dict(tbt_p99=0.075, running=4), summarization=queued)
     d = decide(snap, capped, State(), SPECS, CFG, roomy)
     assert d.action == RESTORE and d.settings.knobs("summarization").max_running == 8, d.reason
+    # With chat gone (no TBT data but summarization's own, far under its SLO): straight back to the spec.
+    alone = make_snapshot(summarization=queued)
+    d = decide(alone, capped, State(), SPECS, CFG, roomy)
+    assert d.action == RESTORE and d.settings.knobs("summarization").max_running == 256, d.reason
     # Decodes so costly that 4 more would break chat's TBT target: not restored (the budget may still grow).
     heavy = LinearCostModel(base=0.02, per_prefill=1e-5, per_decode=0.05, per_decode_context=0.0)
     d = decide(snap, capped, State(), SPECS, CFG, heavy)
@@ -154,6 +158,9 @@ def test_lasting_slack_restores_running_before_the_queue():
         if d.action == RESTORE:
             seen.append(d.reason.split(": ")[1])
     assert seen == ["summarization maxRunning -> 256", "summarization maxWaiting -> 32"]
+    s = start(512, cfg=cfg).with_knobs("summarization", max_running=2)
+    d = decide(quiet, s, replace(State(), slack_streak=5, intervals_since_scale=9), SPECS, cfg)
+    assert d.action == RESTORE and d.settings.knobs("summarization").max_running == 256  # in one step
 
 
 def test_scale_cooldown_holds_after_scale_out():
