@@ -170,7 +170,7 @@ def _shed_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec
     return name, max(cfg.min_max_waiting, current // 2)
 
 
-def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], cfg: ControllerConfig):
+def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec]):
     """For TBT at the budget floor: the lowest-priority cluster with traffic, when it runs two or more
     requests per replica, and a maxRunning of half of them; None otherwise (then its queue is shed)."""
     live = [
@@ -266,7 +266,7 @@ def decide(
         if settings.replicas < cfg.replicas_max:
             n = settings.replicas + 1
             return out(replace(capped, replicas=n), SCALE_OUT, f"{why}: replicas {settings.replicas} -> {n}")
-        throttle = _throttle_target(snap, settings, specs, cfg) if decode_bound else None
+        throttle = _throttle_target(snap, settings, specs) if decode_bound else None
         if throttle is not None:
             name, mr = throttle
             return out(
