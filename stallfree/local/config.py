@@ -169,6 +169,8 @@ def validate(doc: object, schema: dict | None = None) -> dict:
         raise LocalConfigError(
             "spec.model.source.type PersistentVolumeClaim cannot run locally: use Bundled or HostPath (a local path)"
         )
+    if src["type"] == "HostPath" and not Path(src["path"]).exists():
+        raise LocalConfigError(f"spec.model.source.path: {src['path']} does not exist on this machine")
     return doc
 
 

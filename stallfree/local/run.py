@@ -32,6 +32,8 @@ class LocalRun:
         self.args = args
         self.admin_token = admin_token
         self.stop = threading.Event()
+        self.failed: str | None = None  # why the engines could not start; `up` then exits 1
+        self._server = None  # the uvicorn server, so a failed start can end it
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"stallfree-{dep.name}-"))
         spec = dep.spec
         self.inputs = inp = loop_inputs(spec, **self._cooldowns(spec))
@@ -122,9 +124,13 @@ class LocalRun:
     # ---- the controller thread ----------------------------------------------------------------------
     def _control(self) -> None:
         inp = self.inputs
-        if not self.fleet.wait_ready(self.args.ready_timeout, self.stop):
+        try:
+            ready = self.fleet.wait_ready(self.args.ready_timeout, self.stop)
+        except RuntimeError as e:  # a replica kept exiting
+            return self._fail(str(e))
+        if not ready:
             if not self.stop.is_set():
-                log.error("engines not ready after %ss; logs in %s", self.args.ready_timeout, self.run_dir)
+                self._fail(f"engines not ready after {self.args.ready_timeout:g} s; logs in {self.run_dir}")
             return
         log.info("engines ready: %s", ", ".join(self.fleet.endpoints()))
         try:  # adopt what the engines run (the tuned engine.yaml), never jump back to the spec
@@ -145,6 +151,14 @@ class LocalRun:
             except Exception:  # noqa: BLE001 - the loop must survive one bad interval
                 log.exception("controller step failed")
 
+    def _fail(self, why: str) -> None:
+        """The engines cannot start: say why and end `up` (exit 1) rather than answer 503 for ever."""
+        log.error("%s", why)
+        self.failed = why
+        self.stop.set()
+        if self._server is not None:
+            self._server.should_exit = True
+
     def _names(self) -> set[str]:
         return {s.name for s in self.inputs.specs}
 
@@ -158,6 +172,7 @@ class LocalRun:
         server = uvicorn.Server(
             uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level="warning", lifespan="on")
         )
+        self._server = server
         print(
             f"stallfree up: {self.dep.name} ({self.dep.spec.model.name}), "
             f"{self.inputs.initial_replicas} replica(s) starting; logs in {self.run_dir}\n"
@@ -193,6 +208,9 @@ class LocalRun:
             print("stallfree up: stopping engines...", file=sys.stderr, flush=True)
             self.fleet.stop()
             controller.join(timeout=10)
+        if self.failed:
+            print(f"stallfree up: {self.failed}", file=sys.stderr, flush=True)
+            return 1
         return 0
 
     def _start_view(self):

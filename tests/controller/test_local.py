@@ -96,6 +96,31 @@ def test_up_help_and_bad_file(tmp_path):
     assert out.returncode == 2 and "spec.budget.min" in out.stderr
 
 
+def test_a_missing_host_path_model_is_refused_before_anything_starts(tmp_path):
+    d = doc()
+    d["spec"]["model"]["source"] = {"type": "HostPath", "path": str(tmp_path / "missing.gguf")}
+    with pytest.raises(LocalConfigError, match=r"spec.model.source.path: .*missing.gguf does not exist"):
+        validate(d)
+
+
+@pytest.mark.slow
+def test_up_exits_when_the_engines_cannot_start(tmp_path):
+    """A model file the engine cannot load: the replica exits, is restarted, keeps exiting, and `up` ends
+    with exit code 1 and the replica's log, instead of answering 503 for ever."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"this is not a GGUF file")
+    d = doc()
+    d["spec"]["model"]["source"] = {"type": "HostPath", "path": str(broken)}
+    f = tmp_path / "broken.yaml"
+    f.write_text(yaml.safe_dump(d))
+    out = subprocess.run(
+        [sys.executable, "-m", "stallfree", "up", str(f), "--port", str(free_port()), "--no-view"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "keeps exiting" in out.stderr and "replica-0.log" in out.stderr
+
+
 @pytest.mark.slow
 def test_up_serves_streams_reports_status_and_stops_children(tmp_path):
     port = free_port()
