@@ -135,7 +135,8 @@ def plot(points: list[dict], out: Path) -> Path:
     for key, lab in (("time_s", "measured"), ("predicted_s", "predicted")):
         v = np.sort([p[key] * 1e3 for p in held])
         a2.plot(v, np.linspace(0, 1, len(v)), label=lab)
-    a2.set_xlabel("iteration period, ms")
+    a2.set_xscale("log")
+    a2.set_xlabel("iteration period, ms (log)")
     a2.set_ylabel("fraction of held-out iterations")
     a2.set_title("Distribution (held out)")
     a2.legend()
