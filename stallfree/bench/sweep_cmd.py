@@ -136,7 +136,7 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
                     wl,
                     slo,
                     model=args.model_name,
-                    logprobs=not args.no_logprobs,
+                    logprobs=True,  # our own servers: one chunk per token, so every gap is seen
                     desc=f"{policy} b={budget}",
                 )
                 rows.append({"policy": policy, "token_budget": budget, "measured": s,

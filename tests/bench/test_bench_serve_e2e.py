@@ -104,3 +104,20 @@ def test_bench_serve_command_writes_records_summary_and_plot(server, tmp_path, c
     assert summary["workload"]["scale"] == 0.5 and summary["workload"]["num_requests"] == 5
     assert (tmp_path / "o" / "serve.png").stat().st_size > 0
     assert "goodput/s" in capsys.readouterr().out
+
+
+def test_bench_sweep_runs_each_budget_on_one_server(tmp_path):
+    """`bench sweep` starts its own server and changes the budget between runs (PATCH /admin/v1/config)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "num_prefill_tokens,num_decode_tokens\n" + "".join(f"{60 + 7 * i},{3 + i % 3}\n" for i in range(10))
+    )
+    out = tmp_path / "sweep"
+    rc = cli.main(["sweep", "--policies", "sarathi", "--token-budgets", "64,128", "--qps", "4", "--trace", str(trace),
+                   "--scale", "1", "--num-requests", "3", "--slo-tbt", "30", "--slo-ttft", "60",
+                   "--num-kv-blocks", "256", "--max-num-seqs", "8", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [(r["policy"], r["token_budget"]) for r in rows] == [("sarathi", 64), ("sarathi", 128)]
+    assert all(r["measured"]["outcomes"]["ok"] == 3 for r in rows)
+    assert (out / "sweep.png").stat().st_size > 0
