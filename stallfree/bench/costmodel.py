@@ -136,6 +136,27 @@ def relative_errors(model: CostModel, rows: Sequence[dict[str, float]], times: S
     return np.abs(model.predict_many(rows) - y) / y
 
 
+def fit_held_out(points: list[dict], test: set[int]) -> tuple[CostModel, dict]:
+    """Fit on the points whose index is not in `test` ({"features", "time_s"} each) and measure the error on
+    both sides; marks every point with "held_out" and "predicted_s"."""
+    train = [p for i, p in enumerate(points) if i not in test]
+    held = [p for i, p in enumerate(points) if i in test]
+    model = fit([p["features"] for p in train], [p["time_s"] for p in train])
+    for i, p in enumerate(points):
+        p["held_out"] = i in test
+        p["predicted_s"] = model.predict(p["features"])
+
+    def errs(pts: list[dict]) -> np.ndarray:
+        return relative_errors(model, [p["features"] for p in pts], [p["time_s"] for p in pts])
+
+    return model, {
+        "train": error_summary(errs(train)),
+        "held_out": error_summary(errs(held) if held else np.array([])),
+        "num_train": len(train),
+        "num_held_out": len(held),
+    }
+
+
 def error_summary(errors: np.ndarray) -> dict[str, float | None]:
     if len(errors) == 0:
         return {"median": None, "p90": None, "max": None}

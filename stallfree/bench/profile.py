@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from stallfree.bench import costmodel, servedfit
-from stallfree.bench.report import pyplot, table, write_json
+from stallfree.bench.report import measured_vs_predicted, pyplot, table, write_json
 
 
 def _ints(s: str) -> list[int]:
@@ -150,41 +150,13 @@ def fit_with_holdout(points: list[dict], holdout: float, seed: int) -> tuple[cos
     test = (
         set(rng.choice(n, size=max(1, int(round(n * holdout))), replace=False).tolist()) if holdout else set()
     )
-    train = [p for i, p in enumerate(points) if i not in test]
-    held = [p for i, p in enumerate(points) if i in test]
-    model = costmodel.fit([p["features"] for p in train], [p["time_s"] for p in train])
-    err_train = costmodel.relative_errors(model, [p["features"] for p in train], [p["time_s"] for p in train])
-    err_test = (
-        costmodel.relative_errors(model, [p["features"] for p in held], [p["time_s"] for p in held])
-        if held
-        else np.array([])
-    )
-    for i, p in enumerate(points):
-        p["held_out"] = i in test
-        p["predicted_s"] = model.predict(p["features"])
-    fit_error = {
-        "train": costmodel.error_summary(err_train),
-        "held_out": costmodel.error_summary(err_test),
-        "num_train": len(train),
-        "num_held_out": len(held),
-    }
-    return model, fit_error
+    return costmodel.fit_held_out(points, test)
 
 
 def _plot(points: list[dict], out: Path) -> Path:
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for held, mark, lab in ((False, "o", "fit"), (True, "x", "held out")):
-        pts = [p for p in points if p["held_out"] == held]
-        a1.scatter(
-            [p["time_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts], marker=mark, label=lab
-        )
-    hi = max(p["time_s"] for p in points) * 1e3 * 1.05
-    a1.plot([0, hi], [0, hi], color="grey", lw=0.8)
-    a1.set_xlabel("measured iteration ms (median)")
-    a1.set_ylabel("predicted ms")
-    a1.set_title("Cost model fit")
-    a1.legend()
+    measured_vs_predicted(a1, points, "measured iteration ms (median)", "Cost model fit")
     for n_dec in sorted({p["decodes"] for p in points}):
         pts = sorted(
             (

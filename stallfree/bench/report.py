@@ -67,3 +67,20 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def measured_vs_predicted(
+    ax, points: Sequence[dict], xlabel: str, title: str, fit_marker: str = "o", **style
+) -> None:
+    """Scatter of a cost-model fit's points ({"time_s", "predicted_s", "held_out"}), fitted and held out
+    marked apart, in ms, against the diagonal."""
+    for held, mark, lab in ((False, fit_marker, "fit"), (True, "x", "held out")):
+        pts = [p for p in points if p["held_out"] == held]
+        ax.scatter([p["time_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts], marker=mark,
+                   label=lab, **style)  # fmt: skip
+    hi = max(p["time_s"] for p in points) * 1e3 * 1.05
+    ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("predicted ms")
+    ax.set_title(title)
+    ax.legend()

@@ -13,7 +13,7 @@ alike, so a random split would flatter the fit), and the model's error on them i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -84,26 +84,9 @@ def block_holdout(n: int, fraction: float, seed: int, block: int = BLOCK) -> set
 
 
 def fit_points(points: list[dict], holdout: float, seed: int) -> tuple[costmodel.CostModel, dict]:
-    test = block_holdout(len(points), holdout, seed)
-    train = [p for i, p in enumerate(points) if i not in test]
-    held = [p for i, p in enumerate(points) if i in test]
-    model = costmodel.fit([p["features"] for p in train], [p["time_s"] for p in train])
-    for i, p in enumerate(points):
-        p["held_out"] = i in test
-        p["predicted_s"] = model.predict(p["features"])
-
-    def errs(pts: Iterable[dict]) -> np.ndarray:
-        pts = list(pts)
-        return costmodel.relative_errors(model, [p["features"] for p in pts], [p["time_s"] for p in pts])
-
-    fit_error = {
-        "train": costmodel.error_summary(errs(train)),
-        "held_out": costmodel.error_summary(errs(held) if held else np.array([])),
-        "num_train": len(train),
-        "num_held_out": len(held),
-        # What the SLO cares about: the tail of the iteration times, measured vs predicted on held-out data.
-        "held_out_p99_s": _p99_pair(held),
-    }
+    model, fit_error = costmodel.fit_held_out(points, block_holdout(len(points), holdout, seed))
+    # What the SLO cares about: the tail of the iteration times, measured vs predicted on held-out data.
+    fit_error["held_out_p99_s"] = _p99_pair([p for p in points if p["held_out"]])
     return model, fit_error
 
 
@@ -117,20 +100,12 @@ def _p99_pair(points: list[dict]) -> dict[str, float] | None:
 
 
 def plot(points: list[dict], out: Path) -> Path:
-    from stallfree.bench.report import pyplot
+    from stallfree.bench.report import measured_vs_predicted, pyplot
 
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for held, mark, lab in ((False, ".", "fit"), (True, "x", "held out")):
-        pts = [p for p in points if p["held_out"] == held]
-        a1.scatter([p["time_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts], marker=mark,
-                   s=8, alpha=0.5, label=lab)  # fmt: skip
-    hi = max(p["time_s"] for p in points) * 1e3 * 1.05
-    a1.plot([0, hi], [0, hi], color="grey", lw=0.8)
-    a1.set_xlabel("served iteration period, ms")
-    a1.set_ylabel("predicted ms")
-    a1.set_title("Cost model fitted to served iterations")
-    a1.legend()
+    measured_vs_predicted(a1, points, "served iteration period, ms", "Cost model fitted to served iterations",
+                          fit_marker=".", s=8, alpha=0.5)  # fmt: skip
     held = [p for p in points if p["held_out"]] or points
     for key, lab in (("time_s", "measured"), ("predicted_s", "predicted")):
         v = np.sort([p[key] * 1e3 for p in held])
