@@ -193,7 +193,9 @@ def test_phase_shift_lowers_then_raises_budget(stack):
         time.sleep(8)
         base = p99_tbt(prom, "chat", "6s")
         assert base is not None, "no chat TBT samples"
-        slo = max(2.5 * base, 0.15)
+        # Wide enough that chat alone at the floor budget has slack on a busy box (a long prompt's 1024-token
+        # chunk still stalls chat for seconds, far past it).
+        slo = max(3 * base, 0.3)
         loop = make_loop(prom, engine, slo)
         summ = Load(engine.base, "summarization", LONG_PROMPT, 2, clients=2)
         try:
@@ -221,8 +223,12 @@ def test_phase_shift_lowers_then_raises_budget(stack):
         finally:
             summ.stop()
         # Phase 2: long prompts gone; after lasting slack the budget climbs back toward the spec's.
-        steps = run_for(loop, 60, until=lambda s: any(x.action == RAISE for x in s))
-        assert any(s.action == RAISE for s in steps), [(s.action, s.reason) for s in steps]
+        # The stale window right after the stop may still cap chat's running requests at the floor; lasting
+        # slack undoes that first, then raises the budget.
+        steps = run_for(loop, 120, until=lambda s: any(x.action == RAISE for x in s))
+        assert any(s.action == RAISE for s in steps), [
+            (s.action, s.reason, s.snapshot and s.snapshot.cluster("chat").tbt_p99) for s in steps
+        ] + [f"SLO {slo:.3f}s"]
         assert loop.settings.token_budget > tuned
         status = loop.status()
         assert status["budget"]["tokenBudget"] == loop.settings.token_budget
