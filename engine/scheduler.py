@@ -76,6 +76,7 @@ class _Batch:
     scheduled: set[str] = field(default_factory=set)
     cluster_prefill: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    paused: set[str] = field(default_factory=set)  # running but over their cluster's maxRunning
     used: int = 0
 
     @property
@@ -217,12 +218,38 @@ class Scheduler:
         running = sum(1 for r in self.running if r.traffic_cluster == req.traffic_cluster)
         return running < limits.max_running
 
+    def _paused(self) -> set[str]:
+        """Running requests over their cluster's maxRunning (lowered while they ran) that have not produced
+        a token yet: the latest arrivals beyond the limit sit out, keeping their KV blocks, until the limit
+        rises or others finish. Requests already streaming always go on (pausing one would stall its
+        stream) and count against the limit first. A lowered limit thus stops new prefill work at the next
+        iteration, and running decodes drain as they finish."""
+        left: dict[str, int] = {}  # slots left under each capped cluster's limit
+        pausable = []
+        for req in sorted(self.running, key=self._key):
+            limits = self.tunables.cluster(req.traffic_cluster)
+            if limits is None or limits.max_running is None:
+                continue
+            left.setdefault(req.traffic_cluster, limits.max_running)
+            if req.output_token_ids or req.request_id in self.in_flight:
+                left[req.traffic_cluster] -= 1
+            else:
+                pausable.append(req)
+        out: set[str] = set()
+        for req in pausable:
+            if left[req.traffic_cluster] > 0:
+                left[req.traffic_cluster] -= 1
+            else:
+                out.add(req.request_id)
+        return out
+
     def _schedule_decodes(self, batch: _Batch) -> None:
         for req in sorted(self.running, key=self._key):
             if (
                 req.status is not RequestStatus.RUNNING
                 or not req.in_decode
                 or req.request_id in self.in_flight
+                or req.request_id in batch.paused
             ):
                 continue  # preempted earlier in this loop, still prefilling, or in another micro-batch
             if batch.left < 1:
@@ -237,6 +264,7 @@ class Scheduler:
                 or req.in_decode
                 or req.request_id in batch.scheduled
                 or req.request_id in self.in_flight
+                or req.request_id in batch.paused
             ):
                 continue
             n = self._chunk_size(req, batch, whole)
@@ -266,7 +294,7 @@ class Scheduler:
 
     # ---- policies ------------------------------------------------------------------------------------
     def _schedule_sarathi(self) -> _Batch:
-        batch = _Batch(self.tunables.token_budget)
+        batch = _Batch(self.tunables.token_budget, paused=self._paused())
         has_decodes = any(r.in_decode for r in self.running)
         has_prefills = bool(self.waiting) or any(not r.in_decode for r in self.running)
         prefill_turn = (
@@ -285,24 +313,24 @@ class Scheduler:
     def _schedule_vllm(self) -> _Batch:
         # Prefill-prioritising: whole prompts, alone in their batch, up to the prompt token cap.
         cap = max(self.tunables.token_budget, self.config.max_model_len)
-        batch = _Batch(cap)
+        batch = _Batch(cap, paused=self._paused())
         self._schedule_running_prefills(batch, whole=True)
         self._admit_waiting(batch, whole=True)
         if batch.chunks:
             return batch
-        batch = _Batch(None)
+        batch = _Batch(None, paused=self._paused())
         self._schedule_decodes(batch)
         return batch
 
     def _schedule_orca(self) -> _Batch:
-        batch = _Batch(None)
+        batch = _Batch(None, paused=self._paused())
         self._schedule_decodes(batch)
         self._schedule_running_prefills(batch, whole=True)
         self._admit_waiting(batch, whole=True)
         return batch
 
     def _schedule_static(self) -> _Batch:
-        batch = _Batch(None)
+        batch = _Batch(None, paused=self._paused())
         if not self.running:
             self._admit_waiting(batch, whole=True)
             return batch

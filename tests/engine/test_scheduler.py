@@ -60,6 +60,43 @@ def test_cluster_max_running_holds_back_admission():
     assert s.num_running == 1 and s.num_waiting == 2
 
 
+def test_lowered_max_running_pauses_requests_not_yet_streaming_at_once():
+    s = make_scheduler(token_budget=64)
+    streaming = [make_request(8, max_tokens=50, arrival=i, cluster="docs") for i in range(2)]
+    for r in streaming:
+        s.add_request(r)
+    s.schedule()  # both prefill whole
+    for r in streaming:
+        r.output_token_ids.append(7)
+    prompt = make_request(500, max_tokens=5, arrival=2, cluster="docs")
+    s.add_request(prompt)
+    out = s.schedule()  # two decodes, then 62 tokens of the long prompt
+    assert out.num_decode_tokens == 2 and out.num_prefill_tokens == 62
+    for r in streaming:
+        r.output_token_ids.append(7)
+    later = make_request(8, max_tokens=5, arrival=3, cluster="docs")
+    s.add_request(later)
+
+    # The limit drops to 2: both streams go on (pausing them would stall them) and take the two slots; the
+    # prompt still prefilling sits out, keeping its KV blocks, and nothing new is admitted.
+    s.tunables = SchedulerTunables(token_budget=64, clusters=(TrafficClusterLimits("docs", max_running=2),))
+    for _ in range(2):
+        out = s.schedule()
+        assert [c.request_id for c in out.chunks] == [r.request_id for r in streaming]
+        assert out.preempted == () and s.num_running == 3 and s.num_waiting == 1
+        assert prompt.num_computed_tokens == 62 and s.block_manager.num_blocks_of(prompt.request_id) > 0
+        for r in streaming:
+            r.output_token_ids.append(7)
+
+    # A stream ends: the paused prompt takes the freed slot and continues where it stopped.
+    s.finish_request(streaming[0].request_id, RequestStatus.FINISHED_LENGTH)
+    out = s.schedule()
+    assert [(c.request_id, c.is_decode) for c in out.chunks] == [
+        (streaming[1].request_id, True), (prompt.request_id, False)
+    ]
+    assert out.chunks[1].start == 62 and s.num_waiting == 1, "the limit still holds"
+
+
 def test_budget_change_applies_from_the_next_iteration():
     s = make_scheduler(token_budget=64)
     s.add_request(make_request(500, max_tokens=1))
