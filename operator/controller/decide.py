@@ -4,13 +4,16 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
 
 1. TBT violated in any cluster -> lower the budget to where the cost model, calibrated on what was observed,
    puts P99 TBT at `target` x the strictest TBT SLO (at least one tile down). TBT comes first: a stalled
-   decode is the failure users see.
+   decode is the failure users see. When that lands on the floor and the model says even the floor misses
+   the target with what runs now (decode-bound), at replicas.max the running cap of step 2 comes in the
+   same step rather than an interval of stalls later.
 2. TBT violated with the budget on its floor, or prefill tokens arriving faster than the budget can serve
    (cost model), or TTFT/queue pressure with no TBT slack left -> scale out (up to replicas.max), else shed
    the lowest-priority cluster with traffic. With the budget on its floor, what still makes iterations slow
    is the running decodes themselves (their number and, on CPU, their context), which only admission can
    reduce: so for TBT, shedding first caps that cluster's running requests at half of what runs now
-   (maxRunning); otherwise, and once it runs one request, it halves its queue bound (maxWaiting).
+   (maxRunning; the engine pauses the prompts over it at once, streams drain), again every `cap_cooldown`
+   intervals while TBT stays violated; once it runs one request, it halves its queue bound (maxWaiting).
 3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget by
    `max_grow`, or, when prefill arrivals exceed the modelled capacity, straight to the budget the cost
    model says serves them; never past the calibrated TBT limit.
@@ -170,21 +173,23 @@ def _shed_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec
     return name, max(cfg.min_max_waiting, current // 2)
 
 
-def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec]):
-    """For TBT at the budget floor: the lowest-priority cluster with traffic, when it runs two or more
-    requests per replica, and a maxRunning of half of them; None otherwise (then its queue is shed)."""
+def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec]) -> tuple[str, int] | None:
+    """For TBT the budget cannot fix: the lowest-priority cluster with traffic, when it runs two or more
+    requests per replica (or has that many under its cap), and a maxRunning of half of them; None
+    otherwise (then its queue is shed instead)."""
     live = [
         s for s in specs if (c := snap.cluster(s.name)).arrival_rate > 0 or c.waiting > 0 or c.running > 0
     ]
     if not live:
         return None
     s = min(live, key=lambda s: (s.priority, -snap.cluster(s.name).prefill_token_rate))
-    per_replica = int(snap.cluster(s.name).running / max(settings.replicas, 1))
+    active = int(snap.cluster(s.name).running / max(settings.replicas, 1))
     limit = settings.knobs(s.name).max_running
-    new = max(1, per_replica // 2)
-    if per_replica < 2 or (limit is not None and limit <= new):
+    if limit is not None:  # requests over a lowered cap sit out: halve what actually runs
+        active = min(active, limit)
+    if active < 2:
         return None
-    return s.name, new
+    return s.name, active // 2
 
 
 def _restore_target(settings: Settings, specs: Sequence[ClusterSpec], only: str | None = None):
@@ -241,14 +246,16 @@ def decide(
     b = settings.token_budget
     capped = _caps(settings, specs, b)
 
-    def out(new: Settings, action: str, reason: str, who: str = "", direction: int = 0) -> Decision:
+    def out(
+        new: Settings, action: str, reason: str, who: str = "", direction: int = 0, scale: bool = True
+    ) -> Decision:
         new = _caps(new, specs, new.token_budget)
         s2 = st
         if action != HOLD:
             s2 = replace(s2, intervals_since_change=0, slack_streak=0)
             if direction:
                 s2 = replace(s2, last_direction=direction)
-            if action in (SCALE_OUT, SCALE_IN, SHED, RESTORE):
+            if scale and action in (SCALE_OUT, SCALE_IN, SHED, RESTORE):
                 s2 = replace(s2, intervals_since_scale=0)
         names = [who] if who else [s.name for s in specs]
         return Decision(
@@ -268,6 +275,11 @@ def decide(
             return out(replace(capped, replicas=n), SCALE_OUT, f"{why}: replicas {settings.replicas} -> {n}")
         throttle = _throttle_target(snap, settings, specs) if decode_bound else None
         if throttle is not None:
+            # A lowered cap pauses prompts at the next iteration and running streams drain within a few,
+            # so it is judged after `cap_cooldown`, not the scale cooldown a new replica needs (the first
+            # interval after a change still holds stalls from before it).
+            if st.intervals_since_change < cfg.cap_cooldown:
+                return out(capped, HOLD, f"{why}; cooling down after the last change")
             name, mr = throttle
             return out(
                 capped.with_knobs(name, max_running=mr),
@@ -275,6 +287,7 @@ def decide(
                 f"{why}; at replicas.max ({cfg.replicas_max}): shed lowest-priority cluster {name}, "
                 f"maxRunning -> {mr} per replica",
                 who=name,
+                scale=False,
             )
         target = _shed_target(snap, settings, specs, cfg)
         if target is None:
@@ -316,7 +329,22 @@ def decide(
             if st.intervals_since_change < cfg.shrink_cooldown:
                 return out(capped, HOLD, f"{why}; cooling down after the last change")
             nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
-            return out(replace(capped, token_budget=nb), LOWER, f"{why}: budget {b} -> {nb}", direction=-1)
+            lowered = replace(capped, token_budget=nb)
+            floor_time = model.iteration_time(max(nb - r.n_decode, 0.0), r.n_decode, r.context)
+            if nb == cfg.budget_min and floor_time > r.time_limit and settings.replicas >= cfg.replicas_max:
+                # Decode-bound: by the calibrated model even the floor misses the target with what runs
+                # now. Waiting an interval to find that out costs one more interval of stalls, so the
+                # running cap comes in the same step.
+                throttle = _throttle_target(snap, settings, specs)
+                if throttle is not None:
+                    name, mr = throttle
+                    return out(
+                        lowered.with_knobs(name, max_running=mr), LOWER,
+                        f"{why}: budget {b} -> {nb}, and as decodes alone miss the target at the floor, "
+                        f"lowest-priority cluster {name} maxRunning -> {mr} per replica",
+                        direction=-1,
+                    )  # fmt: skip
+            return out(lowered, LOWER, f"{why}: budget {b} -> {nb}", direction=-1)
         return escalate(f"{why} with the budget at its floor {cfg.budget_min}", decode_bound=True)
 
     # 2./3. Prefill overload or TTFT / queue pressure.

@@ -71,6 +71,8 @@ class ControllerConfig:
     # Consecutive intervals of slack before scaling in or restoring shed load.
     scale_in_after: int = 6
     scale_cooldown: int = 4
+    # Intervals after a change before a running cap is tightened again (its effect is seen sooner).
+    cap_cooldown: int = 2
     # Fraction of modelled prefill capacity above which arrivals count as more than the budget serves.
     overload: float = 0.95
     # Shedding never lowers a cluster's maxWaiting below this.

@@ -105,27 +105,51 @@ def test_floor_with_tbt_failing_scales_out_then_sheds():
 
 def test_tbt_at_the_floor_caps_the_lowest_priority_running_set_before_its_queue():
     """With the budget on its floor, chat's stalls come from the decodes that run (summarization's long
-    contexts): halve what the lowest-priority cluster may run, each time the cooldown allows; once it runs
-    one request, shed its queue instead."""
+    contexts): halve what the lowest-priority cluster may run, each time the cap cooldown allows (requests
+    over the cap still count as running: the engine pauses them); once it runs one request, shed its queue."""
     cfg = make_config()
     s, state = start(128, 1, cfg), State()
+    snap = make_snapshot(
+        chat=dict(tbt_p99=0.3, running=4, arrival_rate=2),
+        summarization=dict(tbt_p99=0.2, running=12, waiting=20, arrival_rate=0.5, prefill_token_rate=800),
+    )
     actions = []
-    for running in (12, 6, 3, 1):
-        snap = make_snapshot(
-            chat=dict(tbt_p99=0.3, running=4, arrival_rate=2),
-            summarization=dict(
-                tbt_p99=0.2, running=running, waiting=20, arrival_rate=0.5, prefill_token_rate=800
-            ),
-        )
-        d = decide(snap, s, replace(state, intervals_since_scale=99), SPECS, cfg)
+    for _ in range(6):
+        d = decide(snap, s, state, SPECS, cfg)
         s, state = d.settings, d.state
         actions.append((d.action, s.knobs("summarization").max_running, s.knobs("summarization").max_waiting))
-    assert actions == [(SHED, 6, 32), (SHED, 3, 32), (SHED, 1, 32), (SHED, 1, 16)]
+    assert cfg.cap_cooldown == 2
+    assert actions == [
+        (SHED, 6, 32), (HOLD, 6, 32), (SHED, 3, 32), (HOLD, 3, 32), (SHED, 1, 32), (SHED, 1, 16)
+    ]  # fmt: skip
     assert "maxRunning -> 6" in decide(
         make_snapshot(chat=dict(tbt_p99=0.3, running=4), summarization=dict(running=12, waiting=3)),
-        start(128, 1, cfg), replace(State(), intervals_since_scale=99), SPECS, cfg,
+        start(128, 1, cfg), State(), SPECS, cfg,
     ).reason  # fmt: skip
     assert s.knobs("chat").max_running is None  # the higher-priority cluster keeps its running set
+
+
+def test_a_decode_bound_violation_lowers_to_the_floor_and_caps_running_in_one_step():
+    """When the calibrated model says even the floor budget misses the TBT target with what runs, waiting
+    an interval to find out costs an interval of stalls: the running cap comes with the budget cut."""
+    cfg = make_config(budget_max=2048)
+    stalled = make_snapshot(
+        chat=dict(tbt_p99=0.5, running=4, arrival_rate=2, mean_context=200),
+        summarization=dict(running=20, waiting=5, arrival_rate=0.5, prefill_token_rate=800, mean_context=2000),
+    )
+    decode_heavy = LinearCostModel(base=0.02, per_prefill=1e-4, per_decode=1e-3, per_decode_context=1e-5)
+    d = decide(stalled, start(1024, 1, cfg), State(), SPECS, cfg, decode_heavy)
+    assert d.action == LOWER and d.settings.token_budget == 128, d.reason
+    assert d.settings.knobs("summarization").max_running == 10 and "maxRunning -> 10" in d.reason
+    assert d.settings.knobs("chat").max_running is None
+    # Where prefill is what stalls (decodes cheap), the floor alone is predicted to do: no cap.
+    prefill_heavy = LinearCostModel(base=0.02, per_prefill=1e-3, per_decode=1e-4, per_decode_context=0.0)
+    d = decide(stalled, start(1024, 1, cfg), State(), SPECS, cfg, prefill_heavy)
+    assert d.action == LOWER and d.settings.knobs("summarization").max_running is None, d.reason
+    # With a replica still to add, the budget comes down alone (scale-out comes before shedding).
+    cfg2 = make_config(budget_max=2048, replicas_max=2)
+    d = decide(stalled, start(1024, 1, cfg2), State(), SPECS, cfg2, decode_heavy)
+    assert d.action == LOWER and d.settings.knobs("summarization").max_running is None, d.reason
 
 
 def test_a_capped_running_set_comes_back_under_pressure_only_as_far_as_tbt_allows():
