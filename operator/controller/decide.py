@@ -173,7 +173,9 @@ def _shed_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec
     return name, max(cfg.min_max_waiting, current // 2)
 
 
-def _throttle_target(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec]) -> tuple[str, int] | None:
+def _throttle_target(
+    snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec]
+) -> tuple[str, int] | None:
     """For TBT the budget cannot fix: the lowest-priority cluster with traffic, when it runs two or more
     requests per replica (or has that many under its cap), and a maxRunning of half of them; None
     otherwise (then its queue is shed instead)."""
@@ -356,13 +358,13 @@ def decide(
             why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
         if r.pressure and r.tbt_slack:  # a cluster capped for TBT gets its running requests back first,
             back = _restore_target(settings, specs, only=r.pressure[1])  # as far as TBT allows
-            mr = _admitted(back[1], back[2]) if back is not None and back[0] == "max_running" else None
-            if back is not None and mr is not None:
+            back_mr = _admitted(back[1], back[2]) if back is not None and back[0] == "max_running" else None
+            if back is not None and back_mr is not None:
                 if st.intervals_since_change < cfg.grow_cooldown:
                     return out(capped, HOLD, f"{why}; cooling down after the last change")
                 name = back[1]
-                return out(capped.with_knobs(name, max_running=mr), RESTORE,
-                           f"{why}, TBT has slack: {name} maxRunning -> {mr}", who=name)  # fmt: skip
+                return out(capped.with_knobs(name, max_running=back_mr), RESTORE,
+                           f"{why}, TBT has slack: {name} maxRunning -> {back_mr}", who=name)  # fmt: skip
         if r.tbt_slack and b < cfg.budget_max:
             step = max(b * (1 + cfg.max_grow), b + cfg.align)
             if r.overloaded:  # the cost model says how far: straight to a budget that serves the demand

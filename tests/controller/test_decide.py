@@ -135,7 +135,9 @@ def test_a_decode_bound_violation_lowers_to_the_floor_and_caps_running_in_one_st
     cfg = make_config(budget_max=2048)
     stalled = make_snapshot(
         chat=dict(tbt_p99=0.5, running=4, arrival_rate=2, mean_context=200),
-        summarization=dict(running=20, waiting=5, arrival_rate=0.5, prefill_token_rate=800, mean_context=2000),
+        summarization=dict(
+            running=20, waiting=5, arrival_rate=0.5, prefill_token_rate=800, mean_context=2000
+        ),
     )
     decode_heavy = LinearCostModel(base=0.02, per_prefill=1e-4, per_decode=1e-3, per_decode_context=1e-5)
     d = decide(stalled, start(1024, 1, cfg), State(), SPECS, cfg, decode_heavy)

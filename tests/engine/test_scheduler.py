@@ -92,7 +92,8 @@ def test_lowered_max_running_pauses_requests_not_yet_streaming_at_once():
     s.finish_request(streaming[0].request_id, RequestStatus.FINISHED_LENGTH)
     out = s.schedule()
     assert [(c.request_id, c.is_decode) for c in out.chunks] == [
-        (streaming[1].request_id, True), (prompt.request_id, False)
+        (streaming[1].request_id, True),
+        (prompt.request_id, False),
     ]
     assert out.chunks[1].start == 62 and s.num_waiting == 1, "the limit still holds"
 
