@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stallfree.engine.decode_groups import decode_groups
 from stallfree.engine.scheduler import SchedulerOutput
 
 
@@ -32,6 +33,15 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decodes attended as one padded batch (see stallfree.engine.decode_groups)."""
+
+    rows: torch.Tensor  # (g,) int64  the decodes' rows in the flat batch
+    blocks: torch.Tensor  # (g, P) int64  each decode's block table, padded with block 0
+    mask: torch.Tensor  # (g, P * block_size) bool, True where a key is real
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     # FlashInfer's paged description, B requests (decodes first):
     qo_indptr: torch.Tensor  # (B + 1,) int32  offsets of each request's query tokens in the flat batch
@@ -40,16 +50,15 @@ class AttentionMetadata:
     kv_last_page_len: torch.Tensor  # (B,) int32  tokens used in each request's last page, 1..block_size
     slot_mapping: torch.Tensor  # (T,) int64  cache slot where each new token's k/v goes
     num_decodes: int
-    # For the torch backend: decodes gathered as one padded batch, prefill chunks one by one.
-    decode_slots: torch.Tensor | None  # (D, Lmax) int64, padded with slot 0
-    decode_mask: torch.Tensor | None  # (D, Lmax) bool, True where a key is real
+    # For the torch backend: decodes in a few padded groups, prefill chunks one by one.
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
 
 
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) -> AttentionMetadata:
     """Turn the scheduler's chunks into the flat-batch attention description."""
     qo, page_ptr, pages, last_len, slot_chunks = [0], [0], [], [], []
-    decode_hist: list[np.ndarray] = []
+    decode_lens: list[int] = []
     prefills: list[PrefillSpan] = []
     for c in out.chunks:
         kv_len = c.start + c.num_tokens
@@ -59,23 +68,28 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) 
         hist = table[pos // block_size] * block_size + pos % block_size  # (kv_len,) slots of the history
         slot_chunks.append(hist[c.start :])
         if c.is_decode:
-            decode_hist.append(hist)
+            decode_lens.append(kv_len)
         else:
             prefills.append(PrefillSpan(qo[-1], c.num_tokens, c.start, torch.from_numpy(hist).to(device)))
         qo.append(qo[-1] + c.num_tokens)
         pages.append(table)
         page_ptr.append(page_ptr[-1] + n_pages)
         last_len.append(kv_len - (n_pages - 1) * block_size)
-    decode_slots = decode_mask = None
-    if decode_hist:
-        lmax = max(len(h) for h in decode_hist)
-        slots = np.zeros((len(decode_hist), lmax), dtype=np.int64)
-        mask = np.zeros((len(decode_hist), lmax), dtype=bool)
-        for i, h in enumerate(decode_hist):
-            slots[i, : len(h)] = h
-            mask[i, : len(h)] = True
-        decode_slots = torch.from_numpy(slots).to(device)
-        decode_mask = torch.from_numpy(mask).to(device)
+    groups = []
+    for members in decode_groups(decode_lens):  # decodes come first, so decode i is row i and pages[i]
+        n_pages = len(pages[members[0]])  # the longest history comes first
+        blocks = np.zeros((len(members), n_pages), dtype=np.int64)
+        mask = np.zeros((len(members), n_pages * block_size), dtype=bool)
+        for j, i in enumerate(members):
+            blocks[j, : len(pages[i])] = pages[i]
+            mask[j, : decode_lens[i]] = True
+        groups.append(
+            DecodeGroup(
+                torch.tensor(members, dtype=torch.int64, device=device),
+                torch.from_numpy(blocks).to(device),
+                torch.from_numpy(mask).to(device),
+            )
+        )
     i32 = dict(dtype=torch.int32, device=device)
     return AttentionMetadata(
         qo_indptr=torch.tensor(qo, **i32),
@@ -85,9 +99,8 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) 
         slot_mapping=torch.from_numpy(
             np.concatenate(slot_chunks) if slot_chunks else np.zeros(0, np.int64)
         ).to(device),
-        num_decodes=len(decode_hist),
-        decode_slots=decode_slots,
-        decode_mask=decode_mask,
+        num_decodes=len(decode_lens),
+        decode_groups=tuple(groups),
         prefills=tuple(prefills),
     )
 
@@ -127,8 +140,8 @@ class KVCache:
 class TorchAttention:
     """Exact attention in plain torch (CPU, and the reference on any device).
 
-    GQA without repeating K/V: decodes fold the g query heads that share a KV head into one einsum per KV
-    head; prefill chunks use SDPA's enable_gqa, which shares each KV head across its query heads.
+    GQA without repeating K/V: decodes (in groups, see stallfree.engine.decode_groups) and prefill chunks
+    both use SDPA's enable_gqa, which shares each KV head across its query heads.
     """
 
     name = "torch"
@@ -145,9 +158,9 @@ class TorchAttention:
             self.cache.write(layer, meta.slot_mapping, k, v)
             kf, vf = self.cache.flat(layer)
             out = torch.empty_like(q)
-            nd = meta.num_decodes
-            if nd:
-                out[:nd] = self._decode(q[:nd], kf, vf, meta.decode_slots, meta.decode_mask)
+            for grp in meta.decode_groups:
+                kp, vp = self.cache.k[layer][grp.blocks], self.cache.v[layer][grp.blocks]
+                out[grp.rows] = self._decode(q[grp.rows], kp.flatten(1, 2), vp.flatten(1, 2), grp.mask)
             for p in meta.prefills:
                 sl = slice(p.q_start, p.q_start + p.q_len)
                 out[sl] = self._prefill(q[sl], kf[p.kv_slots], vf[p.kv_slots], p.context_len)
@@ -155,15 +168,17 @@ class TorchAttention:
 
         return attend
 
-    def _decode(self, q, kf, vf, slots, mask) -> torch.Tensor:
-        d, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        keys = kf[slots].to(q.dtype)  # (D, L, KVH, hd)
-        vals = vf[slots].to(q.dtype)
-        qg = q.view(d, kvh, g, hd)
-        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * self.scale  # (D, KVH, g, L)
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.einsum("bkgl,blkd->bkgd", probs, vals).reshape(d, kvh * g, hd)
+    def _decode(self, q, keys, vals, mask) -> torch.Tensor:
+        # q: (D, H, hd); keys/vals: (D, L, KVH, hd), gathered a whole page at a time; mask (D, L) marks the
+        # real keys. One query per decode: SDPA with enable_gqa, which on the CPU runs ~3-4x faster than the
+        # two einsums it replaced (docs/engine.md).
+        qq = q[:, :, None, :]  # (D, H, 1, hd)
+        kk = keys.to(q.dtype).transpose(1, 2)  # (D, KVH, L, hd)
+        vv = vals.to(q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+        )
+        return o[:, :, 0, :]
 
     def _prefill(self, q, keys, vals, context_len: int) -> torch.Tensor:
         # q: (n, H, hd); keys/vals: (L, KVH, hd) with L = context_len + n

@@ -5,7 +5,8 @@
   prefill_tokens   tokens of prefill chunks in the batch (the linear layers' work)
   decode_tokens    running decodes (one token each; includes sampling one token)
   prefill_attn     query-key pairs of the prefill chunks: sum over chunks of n * (start + (n + 1) / 2)
-  decode_attn      decodes x the longest decode context (the CPU backend pads decodes to the longest)
+  decode_attn      key positions the decodes attend to, padding included: the torch backend pads each
+                   group of decodes to its longest history (stallfree.engine.decode_groups)
   prefill_chunks   number of prefill chunks (per-chunk attention calls and metadata)
 
 The fit minimises relative error (weights 1/T), because iterations span two orders of magnitude and the
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stallfree.engine.decode_groups import padded_decode_area
+
 FEATURES = ("const", "prefill_tokens", "decode_tokens", "prefill_attn", "decode_attn", "prefill_chunks")
 
 
@@ -29,18 +32,17 @@ def iteration_features(chunks: Iterable) -> dict[str, float]:
     """Features of one iteration from the scheduler's chunks (anything with num_tokens, start, is_decode)."""
     f = dict.fromkeys(FEATURES, 0.0)
     f["const"] = 1.0
-    n_dec, max_ctx = 0, 0
+    decode_lens: list[int] = []
     for c in chunks:
         n = c.num_tokens
         if c.is_decode:
-            n_dec += 1
-            max_ctx = max(max_ctx, c.start + 1)
+            decode_lens.append(c.start + 1)
         else:
             f["prefill_tokens"] += n
             f["prefill_attn"] += n * (c.start + (n + 1) / 2)
             f["prefill_chunks"] += 1
-    f["decode_tokens"] = float(n_dec)
-    f["decode_attn"] = float(n_dec * max_ctx)
+    f["decode_tokens"] = float(len(decode_lens))
+    f["decode_attn"] = float(padded_decode_area(decode_lens))
     return f
 
 
