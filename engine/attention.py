@@ -170,8 +170,8 @@ class TorchAttention:
 
     def _decode(self, q, keys, vals, mask) -> torch.Tensor:
         # q: (D, H, hd); keys/vals: (D, L, KVH, hd), gathered a whole page at a time; mask (D, L) marks the
-        # real keys. One query per decode: SDPA with enable_gqa, which on the CPU runs ~3-4x faster than the
-        # two einsums it replaced (docs/engine.md).
+        # real keys. One query per decode through SDPA with enable_gqa (docs/engine.md measures it against
+        # the padded einsums it replaced).
         qq = q[:, :, None, :]  # (D, H, 1, hd)
         kk = keys.to(q.dtype).transpose(1, 2)  # (D, KVH, L, hd)
         vv = vals.to(q.dtype).transpose(1, 2)

@@ -3,9 +3,9 @@
 Pure Python (no torch): the engine's attention metadata and the cost model's `decode_attn` feature both call
 `decode_groups`, so the simulator prices exactly the padding the engine pays.
 
-The torch backend attends for a group of decodes as one padded einsum, each padded to the group's longest
-history. A single group for all decodes would make a chat decode at 100 tokens
-of context cost as much as a document decode at 4,000 in the same batch. Groups split where the padding
+The torch backend attends for a group of decodes as one padded SDPA call, each decode padded to the group's
+longest history. A single group for all decodes would make a chat decode at 100 tokens of context cost as
+much as a document decode at 4,000 in the same batch. Groups split where the padding
 would at least double a decode's work and save a real amount of it; each extra group costs a few small
 kernel launches per layer, so they are few (at most about log2(longest / MIN_GAP) + 1).
 """

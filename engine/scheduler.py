@@ -313,12 +313,13 @@ class Scheduler:
     def _schedule_vllm(self) -> _Batch:
         # Prefill-prioritising: whole prompts, alone in their batch, up to the prompt token cap.
         cap = max(self.tunables.token_budget, self.config.max_model_len)
-        batch = _Batch(cap, paused=self._paused())
+        paused = self._paused()
+        batch = _Batch(cap, paused=paused)
         self._schedule_running_prefills(batch, whole=True)
         self._admit_waiting(batch, whole=True)
         if batch.chunks:
             return batch
-        batch = _Batch(None, paused=self._paused())
+        batch = _Batch(None, paused=paused)
         self._schedule_decodes(batch)
         return batch
 
