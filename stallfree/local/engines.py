@@ -89,7 +89,7 @@ class EngineFleet:
         cmd = [sys.executable, "-m", "stallfree", "serve", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--policy", s.engine.policy, "--max-num-seqs", str(s.engine.max_num_seqs)]
         cmd += ["--block-size", str(s.engine.block_size), "--dtype", s.model.dtype]
-        cmd += ["--traffic-clusters", str(self.config_path), "--admin-token", self.admin_token]
+        cmd += ["--traffic-clusters", str(self.config_path)]  # the admin token goes by env (_spawn)
         cmd += ["--stats-window", str(self.stats_window_s), "--log-level", "warning"]
         if s.model.max_model_len:
             cmd += ["--max-model-len", str(s.model.max_model_len)]
@@ -100,7 +100,13 @@ class EngineFleet:
     def _spawn(self, r: Replica) -> None:
         log_file = open(r.log_path, "ab")  # noqa: SIM115 - owned by the child
         threads = max(1, (os.cpu_count() or 2) // max(1, self.spec.replicas.max))
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+        # The token goes in the environment, as the operator's pods get it: on a command line a token that
+        # starts with "-" reads as an option to argparse, and any local user could read it with ps.
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+            "STALLFREE_ADMIN_TOKEN": self.admin_token,
+        }
         r.proc = subprocess.Popen(
             self.command(r.port),
             stdout=log_file,
