@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,8 +34,14 @@ def _err(measured: float | None, predicted: float | None) -> float | None:
     return predicted / measured - 1
 
 
-def compare(capacity: dict, cost: CostModel, contention: float = 1.0, tolerance: float = 0.05) -> dict:
-    """Measured vs simulated, for every stallfree server in a capacity.json document."""
+def compare(
+    capacity: dict,
+    cost: CostModel,
+    contention: float = 1.0,
+    tolerance: float = 0.05,
+    servers: Collection[str] | None = None,
+) -> dict:
+    """Measured vs simulated, for every stallfree server in a capacity.json document (or only `servers`)."""
     a = SimpleNamespace(**capacity["args"])
     a.tolerance = tolerance  # the simulated search is finer than the measured one
     trace = load_trace(a.trace)
@@ -42,7 +49,7 @@ def compare(capacity: dict, cost: CostModel, contention: float = 1.0, tolerance:
     slo = SLO(ttft=a.slo_ttft, tbt=min(slos), scheduling_delay=a.slo_delay)
     out: dict = {"runs": [], "capacity": [], "contention": contention, "tolerance": tolerance}
     for name, r in capacity["results"].items():
-        if name == "peer" or "server" not in r:
+        if name == "peer" or "server" not in r or (servers is not None and name not in servers):
             continue
         policy, budget = parse_policy_entry(name, a.token_budget)
         cfg = sim_config(a, policy, budget, contention)
