@@ -196,3 +196,29 @@ def test_spec_controller_enabled_decides_whether_local_mode_retunes(tmp_path, mo
     shutil.rmtree(run.run_dir, ignore_errors=True)
     assert run.retunes is enabled
     assert (len(steps) >= 1) is enabled
+
+
+@pytest.mark.slow
+def test_an_engine_token_starting_with_a_dash_reaches_the_engine(monkeypatch):
+    """Local mode's engine token is random (token_urlsafe), so one in 64 starts with "-". On the engine's
+    command line argparse read it as an option and every replica exited; it now goes by environment, as
+    the operator's pods get it. A real replica must start and accept that token on its admin API."""
+    import shutil
+
+    import stallfree.local.run as run_mod
+    from stallfree.local import build_parser
+
+    token = "-dash-first-token"
+    monkeypatch.setattr(run_mod.secrets, "token_urlsafe", lambda n=None: token)
+    run = run_mod.LocalRun(load(LOCAL), build_parser().parse_args([str(LOCAL)]), None)
+    try:
+        assert run.engine_token == token and token not in run.fleet.command(free_port())
+        run.fleet.scale_to(1)
+        assert run.fleet.wait_ready(240), "the replica never became ready"
+        (base,) = run.fleet.endpoints()
+        ok = httpx.get(f"{base}/admin/v1/config", headers={"authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and ok.json()["tokenBudget"] > 0, ok.text
+        assert httpx.get(f"{base}/admin/v1/config").status_code == 401
+    finally:
+        run.fleet.stop()
+        shutil.rmtree(run.run_dir, ignore_errors=True)
