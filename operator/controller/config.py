@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Knobs, Slo
@@ -45,9 +46,15 @@ def cluster_specs(spec: SarathiSpec) -> tuple[ClusterSpec, ...]:
     return tuple(out)
 
 
+def raise_memory(window_s: float, interval_s: float) -> int:
+    """Intervals of TBT history a raise must also have slack in: one metrics window plus one interval."""
+    return math.ceil(window_s / interval_s) + 1
+
+
 def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
     """Everything a ControlLoop needs from the spec; `overrides` replace ControllerConfig fields."""
     b, r, ctl = spec.budget, spec.replicas, spec.controller
+    overrides.setdefault("raise_memory", raise_memory(ctl.window_seconds, ctl.interval_seconds))
     cfg = ControllerConfig(
         budget_min=b.min,
         budget_max=b.max,

@@ -14,10 +14,17 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    reduce: so for TBT, shedding first caps that cluster's running requests at half of what runs now
    (maxRunning; the engine pauses the prompts over it at once, streams drain), again every `cap_cooldown`
    intervals while TBT stays violated; once it runs one request, it halves its queue bound (maxWaiting).
+   A growing queue or modelled overload with every SLO met may scale out, but sheds only once TTFT or
+   scheduling delay has no slack left: bursts of long prompts queue up and drain, a windowed arrival
+   rate is noisy, and shedding fails requests for sure.
 3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget by
    `max_grow`, or, when prefill arrivals exceed the modelled capacity, straight to the budget the cost
    model says serves them; never past the calibrated TBT limit.
    A capped maxRunning is undone first when its own cluster shows TTFT or queue pressure with TBT slack.
+   Every raise (and restore) needs slack in the worst TBT of this and the last `raise_memory` intervals
+   (one metrics window plus one), per cluster that still has traffic, and is calibrated on it: a
+   windowed P99 read in a lull between bursts of long prompts is not slack, and a raise judged on one
+   overshoots into a violation.
 4. Lasting slack (`scale_in_after` intervals) -> undo shedding first, then step a lowered budget back up
    toward the spec's (`budget_home`, within the calibrated TBT limit) by half the pressure step (probing,
    like additive increase after a multiplicative decrease), then scale in when the load fits in one
@@ -68,10 +75,17 @@ class _Reading:
 
     tbt_worst: tuple[float, str] | None  # (observed/SLO, cluster) of the worst TBT
     pressure: tuple[float, str, str] | None  # (ratio, cluster, what) of the worst TTFT / delay / queue
+    queue_only: bool  # the only pressure is a growing queue: no SLO missed yet, nothing rejected
+    latency_slack: bool  # every P99 TTFT and P50 scheduling delay under `slack` x its SLO
     all_slack: bool  # every ratio under `slack` and no queue growing
     tbt_slack: bool  # every TBT ratio under `slack`
     budget_limit: int  # largest budget the calibrated cost model allows for the TBT target
     time_limit: float  # calibrated iteration seconds that keep the strictest TBT at target (inf: no data)
+    # The same two for raising, from each cluster's worst TBT ratio over this and the last `raise_memory`
+    # intervals (clusters with TBT samples now): a lull between bursts must not pass for slack.
+    raise_slack: bool
+    raise_limit: int
+    tbt_now: tuple[tuple[str, float], ...]  # (cluster, TBT ratio) this interval, for State.recent_tbt
     overloaded: bool  # prefill arrivals beyond `overload` x modelled capacity
     demand: float  # prefill tokens per second, fleet-wide
     capacity: float  # modelled prefill tokens per second per replica at the current budget
@@ -83,8 +97,29 @@ def _ratio(observed: float | None, slo: float) -> float | None:
     return None if observed is None else observed / slo
 
 
+def _calibrated_limit(
+    ratios: Sequence[float],
+    predicted: float,
+    n_decode: float,
+    context: float,
+    cfg: ControllerConfig,
+    model: CostModel,
+) -> tuple[int, float]:
+    """(largest budget, iteration seconds) that keep the strictest TBT at `target`: the prediction at the
+    current budget scaled by how far each observed ratio is from target (the worst one bounds)."""
+    if not ratios or predicted <= 0:
+        return cfg.budget_max, float("inf")
+    allowed = predicted * min(cfg.target / r if r > 0 else float("inf") for r in ratios)
+    return budget_for_time(model, allowed, n_decode, context, cfg.budget_min, cfg.budget_max), allowed
+
+
 def _read(
-    snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], cfg: ControllerConfig, model: CostModel
+    snap: Snapshot,
+    settings: Settings,
+    specs: Sequence[ClusterSpec],
+    cfg: ControllerConfig,
+    model: CostModel,
+    recent: Sequence[tuple[tuple[str, float], ...]] = (),
 ) -> _Reading:
     replicas = max(settings.replicas, 1)
     obs = [(s, snap.cluster(s.name)) for s in specs]
@@ -98,10 +133,13 @@ def _read(
     tbt_worst = max(tbt) if tbt else None
     # Calibrated time limit, in model seconds: scale the prediction at the current budget by how far each
     # cluster's observed P99 TBT is from target x its SLO; the strictest cluster bounds the budget.
-    limit, allowed = cfg.budget_max, float("inf")
-    if tbt and predicted > 0:
-        allowed = predicted * min(cfg.target / r if r > 0 else float("inf") for r, _ in tbt)
-        limit = budget_for_time(model, allowed, n_decode, context, cfg.budget_min, cfg.budget_max)
+    limit, allowed = _calibrated_limit([r for r, _ in tbt], predicted, n_decode, context, cfg, model)
+    peaks = {name: r for r, name in tbt}
+    for interval in recent:
+        for name, r in interval:
+            if name in peaks:  # a cluster whose traffic has gone cannot be stalled by a raise
+                peaks[name] = max(peaks[name], r)
+    raise_limit, _ = _calibrated_limit(list(peaks.values()), predicted, n_decode, context, cfg, model)
 
     pressures: list[tuple[float, str, str]] = []
     for s, c in obs:
@@ -123,6 +161,8 @@ def _read(
         if c.rejection_rate > 0 and not shed:
             pressures.append((cfg.violate + c.rejection_rate, s.name, "requests rejected"))
     worst_pressure = max(pressures) if pressures else None
+    queue_only = all(what == "queue growing" for r, _, what in pressures if r > cfg.violate)
+    latency_slack = all(r < cfg.slack for r, _, what in pressures if what.startswith("P"))
     tbt_slack = all(r < cfg.slack for r, _ in tbt)
     all_slack = tbt_slack and all(r < cfg.slack for r, _, _ in pressures)
 
@@ -132,10 +172,15 @@ def _read(
     return _Reading(
         tbt_worst=tbt_worst,
         pressure=worst_pressure if worst_pressure and worst_pressure[0] > cfg.violate else None,
+        queue_only=queue_only,
+        latency_slack=latency_slack,
         all_slack=all_slack,
         tbt_slack=tbt_slack,
         budget_limit=limit,
         time_limit=allowed,
+        raise_slack=all(r < cfg.slack for r in peaks.values()),
+        raise_limit=min(limit, raise_limit),
+        tbt_now=tuple((name, r) for r, name in tbt),
         overloaded=overloaded,
         demand=demand,
         capacity=capacity,
@@ -238,9 +283,10 @@ def decide(
     model: CostModel = BUILTIN,
 ) -> Decision:
     """The next settings for the fleet. `settings` are those in force; `state` comes from the last call."""
-    r = _read(snap, settings, specs, cfg, model)
+    r = _read(snap, settings, specs, cfg, model, state.recent_tbt)
     st = replace(
         state,
+        recent_tbt=(*state.recent_tbt, r.tbt_now)[-cfg.raise_memory :] if cfg.raise_memory else (),
         intervals_since_change=state.intervals_since_change + 1,
         intervals_since_scale=state.intervals_since_scale + 1,
         slack_streak=state.slack_streak + 1 if r.all_slack else 0,
@@ -269,12 +315,14 @@ def decide(
             cluster_reasons={n: reason for n in names},
         )
 
-    def escalate(why: str, decode_bound: bool = False) -> Decision:
+    def escalate(why: str, decode_bound: bool = False, may_shed: bool = True) -> Decision:
         if st.intervals_since_scale < cfg.scale_cooldown:
             return out(capped, HOLD, f"{why}; waiting for the last scale/shed to take effect")
         if settings.replicas < cfg.replicas_max:
             n = settings.replicas + 1
             return out(replace(capped, replicas=n), SCALE_OUT, f"{why}: replicas {settings.replicas} -> {n}")
+        if not may_shed:
+            return out(capped, HOLD, f"{why}; at replicas.max, and SLOs are still met: not shedding yet")
         throttle = _throttle_target(snap, settings, specs) if decode_bound else None
         if throttle is not None:
             # A lowered cap pauses prompts at the next iteration and running streams drain within a few,
@@ -356,7 +404,7 @@ def decide(
             why = f"{what} of {who} at {ratio:.2f}x its SLO" if what.startswith("P") else f"{what} in {who}"
         else:
             why = f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
-        if r.pressure and r.tbt_slack:  # a cluster capped for TBT gets its running requests back first,
+        if r.pressure and r.raise_slack:  # a cluster capped for TBT gets its running requests back first,
             back = _restore_target(settings, specs, only=r.pressure[1])  # as far as TBT allows
             back_mr = _admitted(back[1], back[2]) if back is not None and back[0] == "max_running" else None
             if back is not None and back_mr is not None:
@@ -365,7 +413,7 @@ def decide(
                 name = back[1]
                 return out(capped.with_knobs(name, max_running=back_mr), RESTORE,
                            f"{why}, TBT has slack: {name} maxRunning -> {back_mr}", who=name)  # fmt: skip
-        if r.tbt_slack and b < cfg.budget_max:
+        if r.raise_slack and b < cfg.budget_max:
             step = max(b * (1 + cfg.max_grow), b + cfg.align)
             if r.overloaded:  # the cost model says how far: straight to a budget that serves the demand
                 need = budget_for_demand(
@@ -373,7 +421,7 @@ def decide(
                     cfg.budget_min, cfg.budget_max, cfg.align,
                 )  # fmt: skip
                 step = max(step, need)
-            nb = cfg.clamp_budget(min(r.budget_limit, step))
+            nb = cfg.clamp_budget(min(r.raise_limit, step))
             if nb > b:
                 if st.intervals_since_change < cfg.grow_cooldown:
                     return out(capped, HOLD, f"{why}; cooling down after the last change")
@@ -383,8 +431,19 @@ def decide(
                     f"{why}, TBT has slack: budget {b} -> {nb}",
                     direction=1,
                 )
+        if r.tbt_slack and not r.raise_slack and not r.overloaded and b < cfg.budget_max:
+            return out(capped, HOLD, f"{why}; TBT had no slack within the last {cfg.raise_memory} "
+                       "intervals, so no raise yet")  # fmt: skip
         if r.overloaded or (r.pressure and not r.tbt_slack) or b >= cfg.budget_max:
-            return escalate(f"{why}, no TBT slack to raise the budget" if not r.overloaded else why)
+            # A queue that grows while every SLO is met may be a burst the budget absorbs (Poisson
+            # arrivals of long prompts queue up and drain, and a windowed arrival rate near capacity is
+            # as often noise as overload): a replica costs nothing served, but shedding fails requests
+            # for sure. So it sheds for a missed SLO or rejections, or for overload once queueing has
+            # eaten the TTFT / scheduling-delay slack.
+            return escalate(
+                f"{why}, no TBT slack to raise the budget" if not r.overloaded else why,
+                may_shed=not r.queue_only or (r.overloaded and not r.latency_slack),
+            )
         return out(capped, HOLD, f"{why}; the calibrated cost model allows no larger budget")
 
     # 4. Lasting slack: give back what was taken.
@@ -400,11 +459,11 @@ def decide(
                 who=name,
             )
         home = cfg.budget_home
-        if home is not None and b < home and r.tbt_slack:
+        if home is not None and b < home and r.raise_slack:
             # Half the step pressure gets: this is probing, not a response to pressure. A budget lowered
             # for TBT was too large for this traffic not long ago; big steps back would re-violate it.
             # At least one tile: +25% of a small budget would round back down to it and never climb.
-            nb = cfg.clamp_budget(min(home, r.budget_limit, max(b * (1 + cfg.max_grow / 2), b + cfg.align)))
+            nb = cfg.clamp_budget(min(home, r.raise_limit, max(b * (1 + cfg.max_grow / 2), b + cfg.align)))
             if nb > b:
                 return out(
                     replace(capped, token_budget=nb),

@@ -75,6 +75,10 @@ class ControllerConfig:
     cap_cooldown: int = 2
     # Fraction of modelled prefill capacity above which arrivals count as more than the budget serves.
     overload: float = 0.95
+    # Intervals before this one whose worst TBT a raise must also have slack in (peak hold for raising):
+    # one metrics window plus one interval, so that a window holding only a lull cannot erase the peak
+    # the window before it saw (loop_inputs derives it from the spec's window and interval).
+    raise_memory: int = 4
     # Shedding never lowers a cluster's maxWaiting below this.
     min_max_waiting: int = 1
     # The user's budget (spec.budget.initial): after lasting slack a lowered budget steps back up to it.
@@ -95,6 +99,8 @@ class ControllerConfig:
             )
         if not 0 < self.slack < self.violate:
             raise ValueError("hysteresis needs 0 < slack < violate")
+        if self.raise_memory < 0:
+            raise ValueError(f"raise_memory must be >= 0, got {self.raise_memory}")
 
     def clamp_budget(self, value: float, *, up: bool = False) -> int:
         """Round to the tile (down, or up with up=True) and keep inside [min, max]."""
@@ -165,6 +171,8 @@ class State:
     intervals_since_scale: int = 1_000
     slack_streak: int = 0
     last_direction: int = 0  # +1 grew, -1 shrank, 0 none yet
+    # Each of the last `raise_memory` intervals' (cluster, observed/SLO P99 TBT) pairs, oldest first.
+    recent_tbt: tuple[tuple[tuple[str, float], ...], ...] = ()
 
 
 # Actions, in the words used in status, Events and the decisions metric.

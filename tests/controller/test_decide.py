@@ -267,6 +267,54 @@ def test_prefill_overload_jumps_to_a_budget_that_serves_it():
     assert b / (0.1 + 1e-3 * b) >= 850 / cfg.overload > (b - cfg.align) / (0.1 + 1e-3 * (b - cfg.align))
 
 
+def test_a_growing_queue_alone_never_sheds():
+    """At replicas.max with no TBT slack: a queue that grows while every SLO is met holds (a burst of long
+    prompts drains on its own, and shedding fails requests for sure); a missed TTFT sheds."""
+    busy = dict(
+        tbt_p99=0.22, running=4, waiting=12, waiting_trend=0.5, arrival_rate=0.5, prefill_token_rate=100
+    )
+    d = decide(make_snapshot(summarization=busy), start(512), State(), SPECS, CFG)
+    assert d.action == HOLD and "not shedding" in d.reason, d.reason
+    late = make_snapshot(summarization={**busy, "ttft_p99": 12.0})
+    d = decide(late, start(512), State(), SPECS, CFG)
+    assert d.action == SHED and d.settings.knobs("summarization").max_waiting == 16, d.reason
+
+
+def test_modelled_overload_sheds_only_once_latency_has_no_slack():
+    """Prompts arriving beyond what the budget serves, budget at its max: with TTFT far under its SLO the
+    windowed rate may be noise and the queue is still young, so it holds; at 0.9x the TTFT SLO it sheds."""
+    cfg = make_config(budget_max=512)
+    over = dict(tbt_p99=0.05, ttft_p99=2.0, running=4, arrival_rate=5, prefill_token_rate=50_000)
+    d = decide(make_snapshot(summarization=over), start(512, cfg=cfg), State(), SPECS, cfg)
+    assert d.action == HOLD and "not shedding" in d.reason, d.reason
+    tight = make_snapshot(summarization={**over, "ttft_p99": 9.0})
+    d = decide(tight, start(512, cfg=cfg), State(), SPECS, cfg)
+    assert d.action == SHED, d.reason
+
+
+def test_a_raise_waits_out_a_lull_between_bursts():
+    """TTFT pressure and TBT slack now, but the same cluster was at 0.9x its TBT SLO one interval ago: no
+    raise until that peak has left the memory. A peak of a cluster with no traffic now does not count."""
+    snap = make_snapshot(summarization=dict(tbt_p99=0.1, ttft_p99=12.0, running=2))  # 0.4x its TBT SLO
+    peak = State(recent_tbt=((("summarization", 0.9),),))
+    d = decide(snap, start(512), peak, SPECS, CFG)
+    assert d.action == HOLD and "no slack within the last" in d.reason, d.reason
+    for _ in range(CFG.raise_memory):  # the peak ages out (the hold adds this interval's ratio)
+        d = decide(snap, d.settings, d.state, SPECS, CFG)
+    assert d.action == RAISE and d.settings.token_budget > 512, d.reason
+    gone = State(recent_tbt=((("chat", 0.95),),))  # chat was busy, but has no TBT samples now
+    d = decide(snap, start(512), gone, SPECS, CFG)
+    assert d.action == RAISE, d.reason
+    # The peak also bounds how far a raise goes: calibrated on 0.6x instead of 0.4x, the step is smaller.
+    model = LinearCostModel(base=0.01, per_prefill=2e-4, per_decode=0.0, per_decode_context=0.0)
+    cfg = make_config(max_grow=4.0)
+    low = decide(snap, start(512, cfg=cfg), State(), SPECS, cfg, model).settings.token_budget
+    held = decide(
+        snap, start(512, cfg=cfg), State(recent_tbt=((("summarization", 0.6),),)), SPECS, cfg, model
+    )
+    assert 512 < held.settings.token_budget < low, (held.reason, low)
+
+
 def test_chunk_caps_follow_budget():
     d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
     for name in ("chat", "summarization"):
