@@ -68,6 +68,7 @@ from stallfree.operator.controller.phase_experiment import (
     Rec,
     Req,
     build_workload,
+    client_timeline,
     parse_phases,
     plot,
     recovery_intervals,
@@ -290,27 +291,6 @@ def to_recs(records: Sequence[RequestRecord], reqs: Sequence[Req]) -> list[Rec]:
         lag = rec.sent - req.arrival if rec.sent is not None else 0.0
         first = rec.first_token - lag if rec.first_token is not None else None
         out.append(Rec(req, first, tokens=[t - lag for t in rec.token_times], done=rec.outcome == OK))
-    return out
-
-
-def client_timeline(recs: Sequence[Rec], names: Sequence[str], step: float, window: float) -> list[dict]:
-    """Each cluster's P99 of the inter-token gaps that ended in the last `window` seconds, every `step`
-    seconds, as the client saw them (the same points for static and adaptive runs)."""
-    ends: dict[str, list[float]] = {n: [] for n in names}
-    gaps: dict[str, list[float]] = {n: [] for n in names}
-    for r in recs:
-        ends[r.req.cluster] += r.tokens[1:]
-        gaps[r.req.cluster] += np.diff(r.tokens).tolist() if len(r.tokens) > 1 else []
-    last = max((t for v in ends.values() for t in v), default=0.0)
-    e = {n: np.asarray(v) for n, v in ends.items()}
-    g = {n: np.asarray(v) for n, v in gaps.items()}
-    out = []
-    for t in np.arange(step, last + step, step):
-        p99: dict[str, float | None] = {}
-        for n in names:
-            sel = g[n][(e[n] > t - window) & (e[n] <= t)]
-            p99[n] = float(np.percentile(sel, 99)) if len(sel) else None
-        out.append({"t": float(t), "tbt_p99": p99})
     return out
 
 

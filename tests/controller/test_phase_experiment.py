@@ -93,3 +93,8 @@ def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
     s = res["summary"]
     assert s["adaptive_goodput"] >= s["best_static_goodput"]
     assert set(res["static"]) == {"128", "512", "2048"}
+    assert s["oracle_vs_best_static"] >= 1.0
+    # In this run, recovery read from each interval's own P99 comes no later than from the longer window.
+    for window, own in zip(s["recovery_intervals"], s["interval_recovery_intervals"], strict=True):
+        assert window is None or (own is not None and own <= window), (window, own)
+    assert res["seeds"]["recovered_within_3"]["of"] == len(s["recovery_intervals"])
