@@ -29,14 +29,11 @@ import numpy as np
 from stallfree.bench import servedfit
 from stallfree.bench.accuracy_cmd import compare
 from stallfree.bench.costmodel import CostModel
+from stallfree.bench.launcher import iteration_log_path as log_path
 from stallfree.bench.report import pyplot, table, write_json
 
 HOLDOUT = 0.25  # as `stallfree profile --from-log`: the saved model never saw these blocks
 TARGET_ERROR = 0.2
-
-
-def log_path(folder: Path, server: str) -> Path:
-    return folder / f"iterations-{server.replace('@', '-')}.jsonl"
 
 
 def fit_logs(paths: list[Path], out: Path) -> CostModel:

@@ -157,7 +157,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             chunk_align=args.chunk_align,
             model=args.model,
             threads=args.threads,
-            extra_args=iteration_log_args(args.iteration_logs, out, entry.replace("@", "-")),
+            extra_args=iteration_log_args(args.iteration_logs, out, entry),
         )
         log(f"{entry}: starting stallfree serve (budget {budget}, {args.threads} thread(s))")
         with ServerProcess(spec, out / f"server-{entry.replace('@', '-')}.log") as server:

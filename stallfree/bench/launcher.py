@@ -57,9 +57,14 @@ class ServerSpec:
         return cmd + self.extra_args
 
 
-def iteration_log_args(enabled: bool, out: Path, name: str) -> list[str]:
+def iteration_log_path(out: Path, entry: str) -> Path:
+    """Where `bench capacity --iteration-logs` puts the iteration log of server entry `entry` (sarathi@B)."""
+    return out / f"iterations-{entry.replace('@', '-')}.jsonl"
+
+
+def iteration_log_args(enabled: bool, out: Path, entry: str) -> list[str]:
     """`stallfree serve` arguments for an iteration log next to the server's log (--iteration-logs)."""
-    return ["--iteration-log", str(out / f"iterations-{name}.jsonl")] if enabled else []
+    return ["--iteration-log", str(iteration_log_path(out, entry))] if enabled else []
 
 
 class ServerProcess:
