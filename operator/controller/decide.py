@@ -6,7 +6,8 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    puts P99 TBT at `target` x the strictest TBT SLO (at least one tile down). TBT comes first: a stalled
    decode is the failure users see. When that lands on the floor and the model says even the floor misses
    the target with what runs now (decode-bound), at replicas.max the running cap of step 2 comes in the
-   same step rather than an interval of stalls later.
+   same step rather than an interval of stalls later. A cluster with requests in the engines but no TBT
+   sample yet is judged on the worst P99 TBT the others see (the iteration time its streams will get).
 2. TBT violated with the budget on its floor, or prefill tokens arriving faster than the budget can serve
    (cost model), or TTFT/queue pressure with no TBT slack left -> scale out (up to replicas.max), else shed
    the lowest-priority cluster with traffic. With the budget on its floor, what still makes iterations slow
@@ -74,6 +75,7 @@ class _Reading:
     """Derived signals for one interval."""
 
     tbt_worst: tuple[float, str] | None  # (observed/SLO, cluster) of the worst TBT
+    tbt_predicted: frozenset[str]  # clusters with requests but no TBT sample, judged on others' TBT
     pressure: tuple[float, str, str] | None  # (ratio, cluster, what) of the worst TTFT / delay / queue
     queue_only: bool  # the only pressure is a growing queue: no SLO missed yet, nothing rejected
     latency_slack: bool  # every P99 TTFT and P50 scheduling delay under `slack` x its SLO
@@ -130,6 +132,18 @@ def _read(
     predicted = model.iteration_time(max(b - n_decode, 0.0), n_decode, context)
 
     tbt = [(r, s.name) for s, c in obs if (r := _ratio(c.tbt_p99, s.slo.tbt_p99)) is not None]
+    # A cluster with requests in the engines but no TBT sample yet (its first prompts are still in
+    # prefill) will get its tokens at the iteration time the others see: every running request of a
+    # replica gets one token per iteration. So it is judged on the worst P99 TBT observed, against its
+    # own SLO. Otherwise chat arriving into a document batch's large chunks is seen only once its first
+    # tokens have stalled and the window holds them, intervals after the budget could have come down.
+    seen = [c.tbt_p99 for _, c in obs if c.tbt_p99 is not None]
+    predicted_tbt = {
+        s.name: max(seen) / s.slo.tbt_p99
+        for s, c in obs
+        if seen and c.tbt_p99 is None and (c.waiting > 0 or c.running > 0)
+    }
+    tbt += [(ratio, name) for name, ratio in predicted_tbt.items()]
     tbt_worst = max(tbt) if tbt else None
     # Calibrated time limit, in model seconds: scale the prediction at the current budget by how far each
     # cluster's observed P99 TBT is from target x its SLO; the strictest cluster bounds the budget.
@@ -171,6 +185,7 @@ def _read(
     overloaded = demand > cfg.overload * capacity * replicas
     return _Reading(
         tbt_worst=tbt_worst,
+        tbt_predicted=frozenset(predicted_tbt),
         pressure=worst_pressure if worst_pressure and worst_pressure[0] > cfg.violate else None,
         queue_only=queue_only,
         latency_slack=latency_slack,
@@ -375,6 +390,8 @@ def decide(
     if r.tbt_worst and r.tbt_worst[0] > cfg.violate:
         ratio, who = r.tbt_worst
         why = f"P99 TBT of {who} at {ratio:.2f}x its SLO"
+        if who in r.tbt_predicted:
+            why = f"P99 TBT of {who} predicted at {ratio:.2f}x its SLO (no sample yet; others see that TBT)"
         if b > cfg.budget_min:
             if st.intervals_since_change < cfg.shrink_cooldown:
                 return out(capped, HOLD, f"{why}; cooling down after the last change")

@@ -315,6 +315,23 @@ def test_a_raise_waits_out_a_lull_between_bursts():
     assert 512 < held.settings.token_budget < low, (held.reason, low)
 
 
+def test_new_traffic_is_judged_on_the_iteration_time_others_see():
+    """Chat arrives into a document batch: no chat token has a gap yet, but summarization's P99 TBT (0.2 s,
+    under its own 0.25 s SLO) is the iteration time chat's streams will get, 2x chat's 0.1 s SLO. The
+    budget comes down now, not a window after chat's first stalls; with no chat request in the engines
+    (or no other cluster's TBT to go by) nothing is predicted."""
+    docs = dict(tbt_p99=0.2, running=6, arrival_rate=0.5)
+    d = decide(make_snapshot(chat=dict(waiting=3), summarization=docs), start(1024), State(), SPECS, CFG)
+    assert d.action == LOWER and d.settings.token_budget < 1024, d.reason
+    assert "chat predicted at 2.00x" in d.reason, d.reason
+    assert ("chat", 2.0) in d.state.recent_tbt[-1]  # and it blocks raises like an observed peak
+    for quiet in (make_snapshot(summarization=docs), make_snapshot(chat=dict(waiting=3))):
+        assert decide(quiet, start(1024), State(), SPECS, CFG).action != LOWER
+    # A cluster with samples of its own is judged on them alone.
+    own = make_snapshot(chat=dict(tbt_p99=0.05, running=2), summarization=docs)
+    assert decide(own, start(1024), State(), SPECS, CFG).action != LOWER
+
+
 def test_chunk_caps_follow_budget():
     d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
     for name in ("chat", "summarization"):

@@ -94,6 +94,9 @@ def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
     assert s["adaptive_goodput"] >= s["best_static_goodput"]
     assert set(res["static"]) == {"128", "512", "2048"}
     assert s["oracle_vs_best_static"] >= 1.0
+    # Every request good bounds every policy: the ceiling is at least the oracle and the adaptive run.
+    assert s["ceiling_goodput"] == res["num_requests"] / 480
+    assert s["ceiling_goodput"] >= max(s["oracle_goodput"], s["adaptive_goodput"])
     # In this run, recovery read from each interval's own P99 comes no later than from the longer window.
     for window, own in zip(s["recovery_intervals"], s["interval_recovery_intervals"], strict=True):
         assert window is None or (own is not None and own <= window), (window, own)
