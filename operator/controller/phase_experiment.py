@@ -464,6 +464,7 @@ def plot(
     ax1.bar([str(b) for b in budgets], g, color="#999", label="static budget")
     ax1.axhline(results["adaptive"]["goodput"], color="C3", lw=2, label="adaptive controller")
     ax1.axhline(results["summary"]["oracle_goodput"], color="C0", ls="--", label="per-phase oracle")
+    ax1.axhline(results["summary"]["ceiling_goodput"], color="k", ls=":", label="every request good")
     ax1.set_xlabel("static token budget")
     ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
     ax1.legend(loc="lower right")
