@@ -37,16 +37,7 @@ TARGET_ERROR = 0.2
 
 
 def fit_logs(paths: list[Path], out: Path) -> CostModel:
-    points = servedfit.read_log(paths)
-    model, fit_error = servedfit.fit_points(points, HOLDOUT, seed=0)
-    model.meta = {
-        "source": "iteration-log",
-        "logs": [str(p) for p in paths],
-        "target": "period",
-        "num_iterations": len(points),
-        "fit_error": fit_error,
-        "contention_factor": 1.0,
-    }
+    model, _ = servedfit.fit_logs(paths, "period", HOLDOUT, seed=0)
     out.mkdir(parents=True, exist_ok=True)
     model.save(out / "cost_model.json")
     return model

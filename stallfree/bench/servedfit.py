@@ -13,6 +13,8 @@ alike, so a random split would flatter the fit), and the model's error on them i
 from __future__ import annotations
 
 import json
+import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -88,6 +90,29 @@ def fit_points(points: list[dict], holdout: float, seed: int) -> tuple[costmodel
     # What the SLO cares about: the tail of the iteration times, measured vs predicted on held-out data.
     fit_error["held_out_p99_s"] = _p99_pair([p for p in points if p["held_out"]])
     return model, fit_error
+
+
+def fit_logs(
+    paths: Sequence[str | Path], target: str = "period", holdout: float = 0.25, seed: int = 0
+) -> tuple[costmodel.CostModel, list[dict]]:
+    """The cost model fitted to iteration logs, with the metadata saying where it came from, and the
+    points it was fitted to. Raises ValueError as read_log does."""
+    points = read_log(paths, target)
+    model, fit_error = fit_points(points, holdout, seed)
+    model.meta = {
+        "source": "iteration-log",
+        "logs": [str(p) for p in paths],
+        "target": target,
+        "num_iterations": len(points),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "fit_error": fit_error,
+        # The log's times are the served wall times, contention included: nothing to scale.
+        "contention_factor": 1.0,
+        "units": "seconds per iteration; features as in stallfree.bench.costmodel",
+    }
+    return model, points
 
 
 def _p99_pair(points: list[dict]) -> dict[str, float] | None:
