@@ -310,12 +310,23 @@ def decide(
     capped = _caps(settings, specs, b)
 
     def out(
-        new: Settings, action: str, reason: str, who: str = "", direction: int = 0, scale: bool = True
+        new: Settings,
+        action: str,
+        reason: str,
+        who: str = "",
+        direction: int = 0,
+        scale: bool = True,
+        admission_only: bool = False,
     ) -> Decision:
         new = _caps(new, specs, new.token_budget)
         s2 = st
         if action != HOLD:
-            s2 = replace(s2, intervals_since_change=0, slack_streak=0)
+            s2 = replace(s2, slack_streak=0)
+            # A queue bound changes which arrivals are admitted, not how long an iteration takes: it is
+            # judged after the scale cooldown, and the budget's own cooldown goes on counting, so a TBT
+            # violation right after it is still met at once.
+            if not admission_only:
+                s2 = replace(s2, intervals_since_change=0)
             if direction:
                 s2 = replace(s2, last_direction=direction)
             if scale and action in (SCALE_OUT, SCALE_IN, SHED, RESTORE):
@@ -363,6 +374,7 @@ def decide(
             SHED,
             f"{why}; at replicas.max ({cfg.replicas_max}): shed lowest-priority cluster {name}, maxWaiting -> {mw}",
             who=name,
+            admission_only=True,
         )
 
     def _admits(name: str, max_running: int) -> bool:
@@ -474,6 +486,7 @@ def decide(
                 RESTORE,
                 f"lasting slack: {name} {label} -> {value}",
                 who=name,
+                admission_only=knob == "max_waiting",
             )
         home = cfg.budget_home
         if home is not None and b < home and r.raise_slack:

@@ -332,6 +332,23 @@ def test_new_traffic_is_judged_on_the_iteration_time_others_see():
     assert decide(own, start(1024), State(), SPECS, CFG).action != LOWER
 
 
+def test_a_queue_bound_does_not_hold_back_a_tbt_cut():
+    """Shedding a queue bound changes who is admitted, not how long iterations take: a TBT violation in
+    the next interval lowers the budget at once, where after a budget change it waits out the cooldown."""
+    cfg = make_config(shrink_cooldown=3)
+    ttft = make_snapshot(
+        summarization=dict(tbt_p99=0.22, ttft_p99=30.0, running=4, waiting=9, arrival_rate=1)
+    )
+    shed = decide(ttft, start(512, cfg=cfg), State(), SPECS, cfg)
+    assert shed.action == SHED and shed.settings.token_budget == 512, shed.reason
+    assert shed.settings.knobs("summarization").max_waiting < 32
+    stall = make_snapshot(chat=dict(tbt_p99=0.12, running=2), summarization=dict(tbt_p99=0.12, running=4))
+    d = decide(stall, shed.settings, shed.state, SPECS, cfg)
+    assert d.action == LOWER and d.settings.token_budget < 512, d.reason
+    again = decide(stall, d.settings, d.state, SPECS, cfg)  # a budget change does start the cooldown
+    assert again.action == HOLD and "cooling down" in again.reason, again.reason
+
+
 def test_chunk_caps_follow_budget():
     d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
     for name in ("chat", "summarization"):
