@@ -61,6 +61,7 @@ import httpx
 import numpy as np
 import yaml
 
+from stallfree.bench.host import HostWatch
 from stallfree.bench.loadgen import fetch_model_id, run_workload
 from stallfree.bench.metrics import OK, OUTCOMES, RequestRecord
 from stallfree.bench.traces import TraceRequest, Workload
@@ -336,6 +337,7 @@ def run_one(
     file = out / "specs" / f"{name}.yaml"
     file.write_text(yaml.safe_dump(doc, sort_keys=False))
     info: dict = {"loadavg_before": os.getloadavg()}
+    host = HostWatch()
     print(f"{name}: starting stallfree up {file} ...", file=sys.stderr, flush=True)
     t = time.monotonic()
     with local_deployment(file, out / "logs" / f"{name}.log", port=a.port, threads=a.threads,
@@ -346,6 +348,7 @@ def run_one(
         records, poller = asyncio.run(replay(base, reqs, name, poll_s, timeout, a.seed))
         info["replay_s"] = round(time.monotonic() - t, 1)
         info["loadavg_after"] = os.getloadavg()
+        info["host"] = host.summary()
     info.update(timeline=poller.timeline, budgets_seen=sorted(poller.budgets_seen),
                 status_poll_errors=poller.errors)  # fmt: skip
     (out / f"records-{name}.json").write_text(json.dumps([r.to_json() for r in records]))
@@ -359,6 +362,7 @@ def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: flo
     good = np.array([[p["good"] for p in static[b]["phases"]] for b in budgets])  # (budgets, phases)
     per_phase_best = [budgets[int(j)] for j in good.argmax(axis=0)]  # ties: the smaller budget, as max()
     oracle = float(good.max(axis=0).sum()) / (phase_s * n_phases)
+    ceiling = results["num_requests"] / (phase_s * n_phases)  # every request good: no policy does better
     return {
         "best_static_budget": best,
         "best_static_goodput": static[best]["goodput"],
@@ -367,6 +371,8 @@ def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: flo
         "oracle_budgets": per_phase_best,
         "adaptive_vs_best_static": ad["goodput"] / max(static[best]["goodput"], 1e-9),
         "adaptive_vs_oracle": ad["goodput"] / max(oracle, 1e-9),
+        "ceiling_goodput": ceiling,
+        "ceiling_vs_best_static": ceiling / max(static[best]["goodput"], 1e-9),
         "recovery_intervals": ad["recovery_intervals"],
         "client_recovery_intervals": ad["client_recovery_intervals"],
         "best_static_client_recovery_intervals": static[best]["client_recovery_intervals"],
@@ -425,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for each deployment's /ready (default %(default)s)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: summarize, plot and tabulate the finished run already in --out "
+                   "(its results.json), e.g. after the plot failed or the summary changed")  # fmt: skip
     return p
 
 
@@ -445,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             validate_deployment(doc)  # what `stallfree up` checks, before any engine starts
     except ValueError as e:
         p.error(str(e))
+    if a.report:
+        return report(Path(a.out), phases, specs)
     reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), a.seed)
     if not reqs:
         p.error("the workload has no requests: raise the rates or --phase-seconds")
@@ -477,8 +488,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def report(out: Path, phases: Sequence[tuple[float, float]], specs: Sequence[ClusterSpec]) -> int:
+    """--report: the summary, plot and table of a finished run, from its results.json alone."""
+    path = out / "results.json"
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"stallfree phase-live --report: cannot read {path}: {e}") from None
+    if not results.get("complete") or not results.get("adaptive"):
+        raise SystemExit(f"stallfree phase-live --report: {path} holds an unfinished run: nothing to report")
+    results["static"] = {int(b): sc for b, sc in results["static"].items()}
+    budgets = sorted(results["static"])
+    starts, phase_s = results["phase_starts"], results["config"]["phase_seconds"]
+    results["summary"] = summarize(results, budgets, len(starts), phase_s)
+    path.write_text(json.dumps(results, indent=1, default=str))
+    plot(results, budgets, starts, phases, specs, phase_s, out / "phase_live.png",
+         xlabel="seconds since the replay started (live deployment)")  # fmt: skip
+    print(table(results, budgets))
+    return 0
+
+
 def table(results: dict, budgets: Sequence[int]) -> str:
-    rows = [("run", "goodput/s", "attain", "good/requests per phase", "ok rej err t/o", "load 1m", "startup")]
+    rows = [("run", "goodput/s", "attain", "good/requests per phase", "ok rej err t/o", "load 1m", "steal",
+             "startup")]  # fmt: skip
     for name, sc in [
         *((f"static {b}", results["static"][b]) for b in budgets),
         ("adaptive", results["adaptive"]),
@@ -487,7 +519,9 @@ def table(results: dict, budgets: Sequence[int]) -> str:
         rows.append((name, f"{sc['goodput']:.3f}", f"{sc['attainment']:.1%}",
                      " ".join(f"{p['good']}/{p['requests']}" for p in sc["phases"]),
                      f"{o['ok']} {o['rejected']} {o['error']} {o['timeout']}",
-                     f"{sc['loadavg_before'][0]:.2f}->{sc['loadavg_after'][0]:.2f}", f"{sc['startup_s']:.0f}s"))  # fmt: skip
+                     f"{sc['loadavg_before'][0]:.2f}->{sc['loadavg_after'][0]:.2f}",
+                     f"{sc['host']['steal_share']:.1%}" if "steal_share" in sc.get("host", {}) else "-",
+                     f"{sc['startup_s']:.0f}s"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     s = results["summary"]

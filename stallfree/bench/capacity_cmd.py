@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from stallfree.bench.capacity import CapacitySearch
+from stallfree.bench.host import describe
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
@@ -69,7 +70,8 @@ def search_target(
         s["wall_s"] = time.time() - t0
         log(
             f"  {name} @ {qps:.3g} QPS: P99 TBT {s['tbt_s']['p99']}, P50 sched {s['scheduling_delay_s']['p50']}, "
-            f"P50 TTFT {s['ttft_s']['p50']}, ok {s['outcomes']['ok']}/{s['num_requests']} ({s['wall_s']:.0f} s)"
+            f"P50 TTFT {s['ttft_s']['p50']}, ok {s['outcomes']['ok']}/{s['num_requests']} ({s['wall_s']:.0f} s; "
+            f"{describe(s['host'])})"
         )
         return s
 

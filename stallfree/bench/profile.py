@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from stallfree.bench import costmodel, servedfit
+from stallfree.bench.host import HostWatch, describe
 from stallfree.bench.report import measured_vs_predicted, pyplot, table, write_json
 
 
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, dtype=torch.float32)
     n_states = sum(len(dctx) if d else 1 for d in decodes)
     t0 = time.time()
+    host = HostWatch()
     with tqdm(
         total=n_states * len(pctx) * len(chunks), desc="profile", unit="config", file=sys.stderr
     ) as bar:
@@ -256,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ),
         "loadavg_1m": os.getloadavg()[0],
+        "host": host.summary(),  # steal share: whether the shared host slowed this profile down
         "grid": {
             "decodes": decodes,
             "decode_contexts": dctx,
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\nclock: {args.clock}; wall / CPU time while profiling (contention factor): "
-        f"{model.meta['contention_factor']:.2f}; load average {model.meta['loadavg_1m']:.1f}"
+        f"{model.meta['contention_factor']:.2f}; {describe(model.meta['host'])}"
     )
     fe = fit_error["held_out"]
     print(
@@ -309,24 +312,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def from_log(args: argparse.Namespace) -> int:
     try:
-        points = servedfit.read_log(args.from_log, args.target)
+        model, points = servedfit.fit_logs(args.from_log, args.target, args.holdout, args.seed)
     except ValueError as e:
         print(f"stallfree profile: {e}", file=sys.stderr)
         return 2
-    model, fit_error = servedfit.fit_points(points, args.holdout, args.seed)
-    model.meta = {
-        "source": "iteration-log",
-        "logs": [str(p) for p in args.from_log],
-        "target": args.target,
-        "num_iterations": len(points),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "fit_error": fit_error,
-        # The log's times are the served wall times, contention included: nothing to scale.
-        "contention_factor": 1.0,
-        "units": "seconds per iteration; features as in stallfree.bench.costmodel",
-    }
+    fit_error = model.meta["fit_error"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save(out / "cost_model.json")

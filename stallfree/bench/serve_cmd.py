@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from stallfree.bench.host import HostWatch
 from stallfree.bench.loadgen import metrics_delta, run_workload, scrape
 from stallfree.bench.metrics import SLO, RequestRecord, summarize
 from stallfree.bench.report import ms, pyplot, table, write_json
@@ -26,7 +26,7 @@ from stallfree.bench.traces import Workload
 async def _bench(
     url: str, workload: Workload, slo: SLO, *, model, api_key, timeout, logprobs, cluster, bar, text_prompts
 ) -> tuple[dict, list]:
-    load_before = os.getloadavg()[0]
+    host = HostWatch()
     before = await scrape(url)
     records = await run_workload(
         url,
@@ -46,8 +46,9 @@ async def _bench(
         records, slo, server_scheduling_delay={k: sd[k] for k in ("p50", "p95", "p99")} if sd else None
     )
     summary["server"] = server
-    # This box is shared: record how busy it was, so noisy runs can be recognised.
-    summary["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+    # This box is a VM on a shared host: record how busy it was, so disturbed runs can be recognised.
+    summary["host"] = host.summary()
+    summary["loadavg_1m"] = summary["host"]["loadavg_1m"]
     summary["workload"] = workload.describe()
     return summary, records
 

@@ -54,6 +54,9 @@ def test_records_are_complete_and_consistent(server):
     assert srv["tbt_s"]["count"] == sum(req.output_tokens - 1 for req in wl.requests)
     assert summary["scheduling_delay_source"] == "server metrics"
     assert 0 <= summary["scheduling_delay_s"]["p50"] <= summary["ttft_s"]["p99"]
+    # How busy the shared host was over the run (the steal share needs /proc/stat: Linux).
+    assert summary["host"]["loadavg_1m"]["before"] >= 0
+    assert 0 <= summary["host"]["steal_share"] <= 1 and isinstance(summary["host"]["disturbed"], bool)
 
 
 def test_iteration_log_accounts_for_every_token(server):

@@ -127,6 +127,7 @@ def test_short_live_run_writes_complete_results(tmp_path):
         assert len(run["phases"]) == 2 and sum(p["requests"] for p in run["phases"]) == n
         assert sum(run["outcomes"].values()) == n
         assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
+        assert 0 <= run["host"]["steal_share"] <= 1
         records = json.loads((out / f"records-{name}.json").read_text())
         assert len(records) == n and all(r["outcome"] in OUTCOMES for r in records)
         assert all(r["token_times"] for r in records if r["outcome"] == OK)
