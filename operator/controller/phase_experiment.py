@@ -232,6 +232,7 @@ def snapshot(
             running=float(running.get(sp.name, 0)),
             arrival_rate=len(arrived) / window,
             prefill_token_rate=sum(r.req.prompt for r in arrived) / window,
+            rejection_rate=sum(r.rejected for r in arrived) / window,  # the server's 429 counter
             mean_context=float(np.mean([r.req.prompt for r in arrived])) if arrived else 0.0,
         )
     prev_waiting.update({sp.name: float(waiting.get(sp.name, 0)) for sp in specs})
@@ -467,7 +468,10 @@ def plot(
     ax1.axhline(results["summary"]["ceiling_goodput"], color="k", ls=":", label="every request good")
     ax1.set_xlabel("static token budget")
     ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
-    ax1.legend(loc="lower right")
+    # Room above the highest line for the legend, so it hides no bar.
+    top = max([*g, results["adaptive"]["goodput"], results["summary"]["ceiling_goodput"]])
+    ax1.set_ylim(0, 1.35 * top)
+    ax1.legend(loc="upper center", ncol=2, fontsize=8)
     if title:
         ax1.set_title(title, fontsize=9)
     tl = results["adaptive"]["timeline"]

@@ -312,9 +312,13 @@ def judge(
     sc["outcomes"] = {o: sum(r.outcome == o for r in records) for o in OUTCOMES}
     lags = [r.sent - r.arrival for r in records if r.sent is not None]
     sc["send_lag_s"] = {"p50": float(np.median(lags)), "max": float(max(lags))} if lags else None
-    tl = client_timeline(recs, [s.name for s in specs], step, window)
+    names = [s.name for s in specs]
+    tl = client_timeline(recs, names, step, window)
     sc["client_recovery_intervals"] = recovery_intervals(tl, starts, specs, step)
     sc["client_timeline"] = tl
+    # As phase_experiment: each interval's own P99 (gaps that ended in it), without a window's memory.
+    own = client_timeline(recs, names, step, step)
+    sc["interval_recovery_intervals"] = recovery_intervals(own, starts, specs, step)
     return sc
 
 
@@ -375,7 +379,9 @@ def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: flo
         "ceiling_vs_best_static": ceiling / max(static[best]["goodput"], 1e-9),
         "recovery_intervals": ad["recovery_intervals"],
         "client_recovery_intervals": ad["client_recovery_intervals"],
+        "interval_recovery_intervals": ad.get("interval_recovery_intervals"),
         "best_static_client_recovery_intervals": static[best]["client_recovery_intervals"],
+        "best_static_interval_recovery_intervals": static[best].get("interval_recovery_intervals"),
     }
 
 
@@ -432,21 +438,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for each deployment's /ready (default %(default)s)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     p.add_argument("--report", action="store_true",
-                   help="run nothing: summarize, plot and tabulate the finished run already in --out "
-                   "(its results.json), e.g. after the plot failed or the summary changed")  # fmt: skip
+                   help="run nothing: score, summarize, plot and tabulate again the finished run in --out, "
+                   "from its records and the command line saved in its results.json (other options are "
+                   "ignored), e.g. after the plot failed or a figure was added")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
+    if a.report:
+        return report(Path(a.out))
     try:
         phases = parse_phases(a.phases)
         budgets = sorted({int(b) for b in a.budgets.split(",")})
-        specs = (
-            ClusterSpec("chat", Slo(a.chat_ttft_slo, a.chat_tbt_slo, a.chat_ttft_slo), priority=10),
-            ClusterSpec("summarization", Slo(a.summ_ttft_slo, a.summ_tbt_slo, a.summ_ttft_slo), priority=0),
-        )
+        specs = cluster_specs(vars(a))
         cfg = LiveConfig(specs, tuple(budgets), a.initial, a.interval, a.window, a.max_num_seqs)
         runs: list[tuple[str, int | None]] = [(f"static-{b}", b) for b in budgets] + [("adaptive", None)]
         docs = {name: deployment(cfg, b) for name, b in runs}
@@ -454,8 +460,6 @@ def main(argv: list[str] | None = None) -> int:
             validate_deployment(doc)  # what `stallfree up` checks, before any engine starts
     except ValueError as e:
         p.error(str(e))
-    if a.report:
-        return report(Path(a.out), phases, specs)
     reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), a.seed)
     if not reqs:
         p.error("the workload has no requests: raise the rates or --phase-seconds")
@@ -488,8 +492,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(out: Path, phases: Sequence[tuple[float, float]], specs: Sequence[ClusterSpec]) -> int:
-    """--report: the summary, plot and table of a finished run, from its results.json alone."""
+def cluster_specs(c: dict) -> tuple[ClusterSpec, ClusterSpec]:
+    """chat (priority 10) and summarization (priority 0) with the SLOs of the command line `c`."""
+    return (
+        ClusterSpec("chat", Slo(c["chat_ttft_slo"], c["chat_tbt_slo"], c["chat_ttft_slo"]), priority=10),
+        ClusterSpec(
+            "summarization", Slo(c["summ_ttft_slo"], c["summ_tbt_slo"], c["summ_ttft_slo"]), priority=0
+        ),
+    )
+
+
+def report(out: Path) -> int:
+    """--report: score, summary, plot and table of a finished run again, from what it saved in `out`
+    (results.json with the run's own command line, and the records), so a figure added since is there."""
     path = out / "results.json"
     try:
         results = json.loads(path.read_text())
@@ -500,6 +515,21 @@ def report(out: Path, phases: Sequence[tuple[float, float]], specs: Sequence[Clu
     results["static"] = {int(b): sc for b, sc in results["static"].items()}
     budgets = sorted(results["static"])
     starts, phase_s = results["phase_starts"], results["config"]["phase_seconds"]
+    c = results["config"]
+    phases, specs = parse_phases(c["phases"]), cluster_specs(c)
+    reqs, _ = build_workload(phase_s, phases, (c["chat_scale"], c["summ_scale"]), c["seed"])
+    if len(reqs) != results["num_requests"]:
+        raise SystemExit(f"stallfree phase-live --report: the saved command line gives {len(reqs)} requests, "
+                         f"the run had {results['num_requests']}")  # fmt: skip
+    for name, sc in [
+        *((f"static-{b}", results["static"][b]) for b in budgets),
+        ("adaptive", results["adaptive"]),
+    ]:
+        records = [RequestRecord.from_json(d) for d in json.loads((out / f"records-{name}.json").read_text())]
+        sc.update(judge(records, reqs, specs, starts, phase_s, c["interval"], c["window"]))
+    results["adaptive"]["recovery_intervals"] = recovery_intervals(
+        results["adaptive"]["timeline"], starts, specs, c["interval"]
+    )
     results["summary"] = summarize(results, budgets, len(starts), phase_s)
     path.write_text(json.dumps(results, indent=1, default=str))
     plot(results, budgets, starts, phases, specs, phase_s, out / "phase_live.png",

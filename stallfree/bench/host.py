@@ -5,6 +5,10 @@ This box is a VM on a shared host. When the host is busy, our vCPUs wait: every 
 for reasons no part of stallfree controls, and a latency measured then is not the machine's. Load average
 does not show it (our own processes are all that run here); steal time does. Every benchmark records both
 over its own span, so a disturbed run can be told apart from a slow configuration.
+
+Steal does not show everything: in session 7 two runs 45 minutes apart, both under 0.3% steal, served the
+same requests at budget 128 with chat's median gap 0.19 s in one and 0.15 s in the other. A low steal
+share rules one cause out; only repeats side by side show how far a figure moves.
 """
 
 from __future__ import annotations

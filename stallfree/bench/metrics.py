@@ -83,6 +83,11 @@ class RequestRecord:
         d.update(ttft=self.ttft, e2e=self.e2e)
         return d
 
+    @classmethod
+    def from_json(cls, d: dict) -> RequestRecord:
+        """The record to_json wrote (its derived ttft and e2e are recomputed, not read)."""
+        return cls(**{k: v for k, v in d.items() if k not in ("ttft", "e2e")})
+
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     """The q-th percentile (linear interpolation, as numpy), or None for no values."""

@@ -61,6 +61,14 @@ def record(i: int, outcome: str, sent: float, first: float | None, tokens: list[
                          token_times=tokens)  # fmt: skip
 
 
+def test_report_refuses_what_is_not_a_finished_run(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read"):
+        pl.main(["--out", str(tmp_path), "--report"])
+    (tmp_path / "results.json").write_text(json.dumps({"complete": False, "adaptive": None}))
+    with pytest.raises(SystemExit, match="unfinished run"):
+        pl.main(["--out", str(tmp_path), "--report"])
+
+
 def test_records_are_scored_like_phase_experiment():
     """Two 10 s phases; only completed requests within both SLOs count, TTFT from the actual send."""
     reqs = [Req(i, "chat" if i < 5 else "summarization", 10, 3, float(i)) for i in range(8)]
@@ -136,4 +144,11 @@ def test_short_live_run_writes_complete_results(tmp_path):
     assert res["adaptive"]["timeline"] and len(res["adaptive"]["recovery_intervals"]) == 1
     s = res["summary"]
     assert s["oracle_budgets"] == [256, 256] and s["adaptive_vs_oracle"] >= 0
+    assert s["ceiling_goodput"] == n / 30 and len(s["interval_recovery_intervals"]) == 1
+    assert (out / "phase_live.png").stat().st_size > 0
+    # --report scores the saved records again with the saved command line: the same figures, no engine.
+    (out / "phase_live.png").unlink()
+    assert pl.main(["--out", str(out), "--report"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["summary"] == s and again["adaptive"]["phases"] == res["adaptive"]["phases"]
     assert (out / "phase_live.png").stat().st_size > 0
