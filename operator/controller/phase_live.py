@@ -482,11 +482,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: goodput {sc['goodput']:.3f} req/s, attainment {sc['attainment']:.1%}, "
               f"outcomes {sc['outcomes']}", file=sys.stderr)  # fmt: skip
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    results["summary"] = summarize(results, budgets, len(starts), a.phase_seconds)
     results["complete"] = True
     results["wall_s"] = round(time.monotonic() - t_all, 1)
+    return finish(out, results, budgets, phases, specs)
+
+
+def finish(
+    out: Path, results: dict, budgets: Sequence[int], phases: Sequence[tuple[float, float]], specs
+) -> int:
+    """The summary of a finished run, saved with it, its plot and its table (after a run and --report)."""
+    starts, phase_s = results["phase_starts"], results["config"]["phase_seconds"]
+    results["summary"] = summarize(results, budgets, len(starts), phase_s)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, budgets, starts, phases, specs, a.phase_seconds, out / "phase_live.png",
+    plot(results, budgets, starts, phases, specs, phase_s, out / "phase_live.png",
          xlabel="seconds since the replay started (live deployment)")  # fmt: skip
     print(table(results, budgets))
     return 0
@@ -514,8 +522,8 @@ def report(out: Path) -> int:
         raise SystemExit(f"stallfree phase-live --report: {path} holds an unfinished run: nothing to report")
     results["static"] = {int(b): sc for b, sc in results["static"].items()}
     budgets = sorted(results["static"])
-    starts, phase_s = results["phase_starts"], results["config"]["phase_seconds"]
     c = results["config"]
+    starts, phase_s = results["phase_starts"], c["phase_seconds"]
     phases, specs = parse_phases(c["phases"]), cluster_specs(c)
     reqs, _ = build_workload(phase_s, phases, (c["chat_scale"], c["summ_scale"]), c["seed"])
     if len(reqs) != results["num_requests"]:
@@ -530,12 +538,7 @@ def report(out: Path) -> int:
     results["adaptive"]["recovery_intervals"] = recovery_intervals(
         results["adaptive"]["timeline"], starts, specs, c["interval"]
     )
-    results["summary"] = summarize(results, budgets, len(starts), phase_s)
-    path.write_text(json.dumps(results, indent=1, default=str))
-    plot(results, budgets, starts, phases, specs, phase_s, out / "phase_live.png",
-         xlabel="seconds since the replay started (live deployment)")  # fmt: skip
-    print(table(results, budgets))
-    return 0
+    return finish(out, results, budgets, phases, specs)
 
 
 def table(results: dict, budgets: Sequence[int]) -> str:
