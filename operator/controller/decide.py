@@ -21,7 +21,9 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
 3. TTFT, scheduling delay or a growing queue with TBT slack in every cluster -> raise the budget by
    `max_grow`, or, when prefill arrivals exceed the modelled capacity, straight to the budget the cost
    model says serves them; never past the calibrated TBT limit.
-   A capped maxRunning is undone first when its own cluster shows TTFT or queue pressure with TBT slack.
+   A capped maxRunning is undone first when its own cluster shows TTFT or queue pressure with TBT slack;
+   a queue bound shed for that cluster comes back a step (x2) in each interval of the raise's cooldown
+   while it still rejects (it was shed for want of a larger budget, and the budget is now growing).
    Every raise (and restore) needs slack in the worst TBT of this and the last `raise_memory` intervals
    (one metrics window plus one), per cluster that still has traffic, and is calibrated on it: a
    windowed P99 read in a lull between bursts of long prompts is not slack, and a raise judged on one
@@ -278,6 +280,19 @@ def _restore_target(settings: Settings, specs: Sequence[ClusterSpec], only: str 
     return knob, name, value
 
 
+def _reopen_target(
+    snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], pressure: tuple[float, str, str] | None
+) -> tuple[str, int] | None:
+    """The cluster under pressure and its maxWaiting one step back toward the spec, when it was shed and
+    still rejects arrivals; None otherwise."""
+    if pressure is None or snap.cluster(pressure[1]).rejection_rate <= 0:
+        return None
+    back = _restore_target(settings, specs, only=pressure[1])
+    if back is None or back[0] != "max_waiting":
+        return None
+    return back[1], back[2]
+
+
 def initial_settings(
     specs: Sequence[ClusterSpec], cfg: ControllerConfig, token_budget: int, replicas: int
 ) -> Settings:
@@ -453,6 +468,14 @@ def decide(
             nb = cfg.clamp_budget(min(r.raise_limit, step))
             if nb > b:
                 if st.intervals_since_change < cfg.grow_cooldown:
+                    # The queue bound of a cluster shed for want of a larger budget comes back a step
+                    # while the budget grows, or its arrivals go on failing for a reason that has gone.
+                    queue = _reopen_target(snap, settings, specs, r.pressure)
+                    if queue is not None and st.intervals_since_scale >= cfg.scale_cooldown:
+                        name, mw = queue
+                        return out(capped.with_knobs(name, max_waiting=mw), RESTORE,
+                                   f"{why}, TBT has slack and the budget is growing: {name} maxWaiting -> {mw}",
+                                   who=name, admission_only=True)  # fmt: skip
                     return out(capped, HOLD, f"{why}; cooling down after the last change")
                 return out(
                     replace(capped, token_budget=nb),

@@ -349,6 +349,32 @@ def test_a_queue_bound_does_not_hold_back_a_tbt_cut():
     assert again.action == HOLD and "cooling down" in again.reason, again.reason
 
 
+def test_a_shed_queue_reopens_while_the_budget_grows():
+    """A cluster shed while the budget could not grow (TBT had no slack) keeps rejecting after the reason
+    has gone: once TBT has slack and the budget is growing for its pressure, its queue bound comes back a
+    step in the raise's cooldown. Only a cluster that still rejects, and not within the scale cooldown."""
+    cfg = make_config()
+    s = start(128, cfg=cfg).with_knobs("summarization", max_waiting=2)  # shed from the spec's 32
+    snap = make_snapshot(
+        summarization=dict(
+            tbt_p99=0.05, ttft_p99=40.0, running=2, waiting=2, arrival_rate=0.5, rejection_rate=0.3
+        )
+    )
+    raised = decide(snap, s, State(), SPECS, cfg)
+    assert raised.action == RAISE and raised.settings.token_budget > 128, raised.reason
+    d = decide(snap, raised.settings, raised.state, SPECS, cfg)
+    assert d.action == RESTORE and d.settings.knobs("summarization").max_waiting == 4, d.reason
+    assert d.settings.token_budget == raised.settings.token_budget
+    after = decide(snap, d.settings, d.state, SPECS, cfg)  # a queue bound does not hold back the next raise
+    assert after.action == RAISE, after.reason
+    quiet = make_snapshot(
+        summarization=dict(tbt_p99=0.05, ttft_p99=40.0, running=2, waiting=2, arrival_rate=0.5)
+    )
+    assert decide(quiet, raised.settings, raised.state, SPECS, cfg).action == HOLD  # nothing rejected
+    soon = replace(raised.state, intervals_since_scale=0)  # shed an interval ago: judge that first
+    assert decide(snap, raised.settings, soon, SPECS, cfg).action == HOLD
+
+
 def test_chunk_caps_follow_budget():
     d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
     for name in ("chat", "summarization"):
