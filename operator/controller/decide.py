@@ -206,7 +206,7 @@ def _read(
     )
 
 
-def _caps(settings: Settings, specs: Sequence[ClusterSpec], budget: int) -> Settings:
+def with_caps(settings: Settings, specs: Sequence[ClusterSpec], budget: int) -> Settings:
     """Chunk caps follow the budget: the spec's cap (the user's ceiling) but never above the budget."""
     out = settings
     for s in specs:
@@ -301,7 +301,7 @@ def initial_settings(
     b = cfg.clamp_budget(token_budget)
     n = max(cfg.replicas_min, min(cfg.replicas_max, replicas))
     base = Settings(token_budget=b, replicas=n, clusters={s.name: s.knobs for s in specs})
-    return _caps(base, specs, b)
+    return with_caps(base, specs, b)
 
 
 def decide(
@@ -322,7 +322,7 @@ def decide(
         slack_streak=state.slack_streak + 1 if r.all_slack else 0,
     )
     b = settings.token_budget
-    capped = _caps(settings, specs, b)
+    capped = with_caps(settings, specs, b)
 
     def out(
         new: Settings,
@@ -333,7 +333,7 @@ def decide(
         scale: bool = True,
         admission_only: bool = False,
     ) -> Decision:
-        new = _caps(new, specs, new.token_budget)
+        new = with_caps(new, specs, new.token_budget)
         s2 = st
         if action != HOLD:
             s2 = replace(s2, slack_streak=0)

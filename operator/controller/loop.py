@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import Protocol
 
 from stallfree.operator.controller.cost_model import BUILTIN, CostModel
-from stallfree.operator.controller.decide import decide, initial_settings
+from stallfree.operator.controller.decide import decide, initial_settings, with_caps
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import (
     HOLD,
@@ -71,7 +71,8 @@ class ControlLoop:
     min_window_s: float = 5.0
     model: CostModel = BUILTIN
     clock: Callable[[], float] = time.time
-    # A fresh loop waits out the cooldowns before its first change: a restarted controller does not jump.
+    # A fresh loop waits out the cooldowns before its first change: a restarted controller does not jump
+    # (adopt() drops them when it finds the spec's own settings in force).
     state: State = field(default_factory=lambda: State(intervals_since_change=0, intervals_since_scale=0))
     holding: str | None = None  # why settings are held (missing data / failed apply); None when not
     apply_error: str | None = None  # the last apply's failure while it lasts (holding says so too)
@@ -79,8 +80,10 @@ class ControlLoop:
     last: Step | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=2000))
     observers: list[Callable[[Step], None]] = field(default_factory=list)
+    initial: Settings | None = field(default=None, init=False)  # the settings the loop started from
 
     def __post_init__(self) -> None:
+        self.initial = self.settings
         if not self.last_change:
             self.last_change = self.clock()
 
@@ -133,12 +136,21 @@ class ControlLoop:
         return step
 
     def adopt(self, settings: Settings) -> None:
-        """Take settings found in force (engine config, CR status) as the starting point, clamped."""
+        """Take settings found in force (engine config, CR status) as the starting point, clamped. When they
+        are the spec's own (nothing was tuned: a first start), there is no change to wait out, so the
+        start-up cooldowns are dropped; tuned settings keep them (a restarted controller does not jump)."""
         b = self.config.clamp_budget(settings.token_budget)
         n = max(self.config.replicas_min, min(self.config.replicas_max, settings.replicas))
         merged = dict(self.settings.clusters)
         merged.update(settings.clusters)
-        self.settings = replace(settings, token_budget=b, replicas=n, clusters=merged)
+        found = replace(settings, token_budget=b, replicas=n, clusters=merged)
+        ours = replace(
+            found, clusters={s.name: found.knobs(s.name) for s in self.specs}
+        )  # not the engine's others
+        if self.last is None and with_caps(ours, self.specs, b) == self.initial:
+            self.state = replace(self.state, intervals_since_change=State().intervals_since_change,
+                                 intervals_since_scale=State().intervals_since_scale)  # fmt: skip
+        self.settings = found
 
     # ---- the status document (the CRD's .status, the same in local mode) -------------------------------
     def status(self) -> dict:

@@ -35,9 +35,11 @@ def conditions(loop: ControlLoop) -> dict[str, dict]:
     return {c["type"]: c for c in loop.status()["conditions"]}
 
 
-def make_loop():
+def make_loop(**cfg):
     src, app = Source(), Applier()
-    loop = ControlLoop.start(make_specs(), make_config(), 1024, 1, source=src, apply=app, clock=lambda: 100.0)
+    loop = ControlLoop.start(
+        make_specs(), make_config(**cfg), 1024, 1, source=src, apply=app, clock=lambda: 100.0
+    )
     loop.state = State()  # no restart cooldown: act on the first step
     return loop, src, app
 
@@ -66,3 +68,18 @@ def test_missing_metrics_hold_and_say_so():
     assert c["MetricsAvailable"]["status"] == "False" and c["MetricsAvailable"]["reason"] == "HoldingSettings"
     assert "did not answer" in c["MetricsAvailable"]["message"]
     assert c["SettingsApplied"]["status"] == "True"
+
+
+def test_a_first_start_acts_at_once_and_a_restart_waits_out_the_cooldowns():
+    """adopt() with the spec's own settings in force (nothing tuned yet) drops the start-up cooldowns, so
+    a TBT violation is met on the first step; tuned settings keep them (a restarted controller holds)."""
+    first, _, app = make_loop(shrink_cooldown=3, scale_cooldown=3)  # as local mode stretches them
+    first.state = State(intervals_since_change=0, intervals_since_scale=0)  # as a new loop starts
+    first.adopt(first.settings)
+    step = first.step()
+    assert step.action == "lower" and first.settings.token_budget < 1024, step.reason
+    restarted, _, _ = make_loop(shrink_cooldown=3, scale_cooldown=3)
+    restarted.state = State(intervals_since_change=0, intervals_since_scale=0)
+    restarted.adopt(first.settings)  # tuned: below the spec's 1024
+    step = restarted.step()
+    assert step.action == "hold" and restarted.settings == first.settings, step.reason

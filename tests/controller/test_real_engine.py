@@ -197,6 +197,8 @@ def test_phase_shift_lowers_then_raises_budget(stack):
         # chunk still stalls chat for seconds, far past it).
         slo = max(3 * base, 0.3)
         loop = make_loop(prom, engine, slo)
+        # The engine runs the spec's own settings (nothing tuned yet): no start-up cooldown to wait out.
+        assert loop.state.intervals_since_change >= loop.config.shrink_cooldown, loop.state
         summ = Load(engine.base, "summarization", LONG_PROMPT, 2, clients=2)
         try:
             # Phase 1: long prompts stall chat; the controller lowers the budget until TBT is back under.
@@ -266,5 +268,6 @@ def test_faults_prometheus_down_engine_restart_controller_restart(stack):
     # 3. Controller restarted: a new loop adopts what runs and does not jump back to the spec's 1024.
     again = make_loop(prom, engine, 10.0)
     assert again.settings.token_budget == loop.settings.token_budget
+    assert again.state.intervals_since_change == 0  # tuned settings found: it waits out the cooldowns
     step = again.step()
     assert again.settings.token_budget == loop.settings.token_budget, step.reason
