@@ -1,6 +1,6 @@
 """Adaptive budget vs every static budget on a phase-shifting workload, against a REAL local deployment.
 
-    stallfree phase-live --out DIR [--budgets 128,512,2048] [--phases ...]
+    stallfree phase-live --out DIR [--budgets 128,512,2048] [--phases ...] [--rounds N]
 
 The live counterpart of phase_experiment (the simulator). The workload is the same (its build_workload:
 Poisson chat requests with ShareGPT lengths and summarization requests with arXiv lengths, CPU-scaled, at
@@ -37,6 +37,10 @@ Prints a table. The load average before and after each run is recorded: keep the
 Each cluster's scheduling-delay SLO (P50) is set to its TTFT SLO, as in phase_experiment. A run takes the
 deployment's start-up (model load), phases x --phase-seconds, and the tail of the last requests; they run
 one after another: static budgets in increasing order, then adaptive.
+
+--rounds N runs that set N times (odd rounds in that order, even rounds backward), each round a complete
+run in DIR/round-K/, and writes DIR/rounds.json, rounds.png and a table of each round's ratios and their
+medians (phase_rounds): on a shared box one run per configuration cannot tell the controller from drift.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from stallfree.bench.host import HostWatch
 from stallfree.bench.loadgen import fetch_model_id, run_workload
 from stallfree.bench.metrics import OK, OUTCOMES, RequestRecord
 from stallfree.bench.traces import TraceRequest, Workload
+from stallfree.operator.controller import phase_rounds as rounds
 from stallfree.operator.controller.phase_experiment import (
     Rec,
     Req,
@@ -437,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for each deployment's /ready (default %(default)s)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, forward in odd rounds and backward in even "
+                   "ones, each round in OUT/round-K, and report the median of the rounds' ratios in "
+                   "OUT/rounds.json and rounds.png: one run each cannot tell the controller from the box's "
+                   "drift (default %(default)s)")  # fmt: skip
     p.add_argument("--report", action="store_true",
                    help="run nothing: score, summarize, plot and tabulate again the finished run in --out, "
                    "from its records and the command line saved in its results.json (other options are "
@@ -460,17 +470,43 @@ def main(argv: list[str] | None = None) -> int:
             validate_deployment(doc)  # what `stallfree up` checks, before any engine starts
     except ValueError as e:
         p.error(str(e))
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), a.seed)
     if not reqs:
         p.error("the workload has no requests: raise the rates or --phase-seconds")
     timeout = a.request_timeout or request_timeout(reqs, specs)
-    out = Path(a.out)
+    out, names, budget_of = Path(a.out), [name for name, _ in runs], dict(runs)
+    done = []
+    for k, rout in enumerate(rounds.round_dirs(out, a.rounds)):
+        order = rounds.run_order(names, k)
+        if a.rounds > 1:
+            print(f"round {k + 1} of {a.rounds}: {' -> '.join(order)}", file=sys.stderr, flush=True)
+        done.append(
+            run_round(rout, [(n, budget_of[n]) for n in order], docs, reqs, starts, specs, a, timeout)
+        )
+        finish(rout, done[-1], budgets, phases, specs)
+    return rounds.finish(out, done, names) if a.rounds > 1 else 0
+
+
+def run_round(
+    out: Path,
+    order: Sequence[tuple[str, int | None]],
+    docs: dict,
+    reqs: Sequence[Req],
+    starts: list[float],
+    specs: Sequence[ClusterSpec],
+    a: argparse.Namespace,
+    timeout: float,
+) -> dict:
+    """Every run of `order` one after the other, scored; results.json is written after each run."""
     (out / "specs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     results: dict = {"config": {**vars(a), "request_timeout_s": timeout}, "complete": False,
-                     "num_requests": len(reqs), "phase_starts": starts, "static": {}, "adaptive": None}  # fmt: skip
+                     "num_requests": len(reqs), "phase_starts": starts, "order": [n for n, _ in order],
+                     "static": {}, "adaptive": None}  # fmt: skip
     t_all = time.monotonic()
-    for name, b in runs:
+    for name, b in order:
         records, info = run_one(name, docs[name], reqs, a, out, timeout)
         sc = {**judge(records, reqs, specs, starts, a.phase_seconds, a.interval, a.window), **info}
         if b is None:
@@ -484,12 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     results["complete"] = True
     results["wall_s"] = round(time.monotonic() - t_all, 1)
-    return finish(out, results, budgets, phases, specs)
+    return results
 
 
 def finish(
     out: Path, results: dict, budgets: Sequence[int], phases: Sequence[tuple[float, float]], specs
-) -> int:
+) -> None:
     """The summary of a finished run, saved with it, its plot and its table (after a run and --report)."""
     starts, phase_s = results["phase_starts"], results["config"]["phase_seconds"]
     results["summary"] = summarize(results, budgets, len(starts), phase_s)
@@ -497,7 +533,6 @@ def finish(
     plot(results, budgets, starts, phases, specs, phase_s, out / "phase_live.png",
          xlabel="seconds since the replay started (live deployment)")  # fmt: skip
     print(table(results, budgets))
-    return 0
 
 
 def cluster_specs(c: dict) -> tuple[ClusterSpec, ClusterSpec]:
@@ -512,7 +547,19 @@ def cluster_specs(c: dict) -> tuple[ClusterSpec, ClusterSpec]:
 
 def report(out: Path) -> int:
     """--report: score, summary, plot and table of a finished run again, from what it saved in `out`
-    (results.json with the run's own command line, and the records), so a figure added since is there."""
+    (results.json with the run's own command line, and the records), so a figure added since is there.
+    A run of several rounds (OUT/round-K) is reported round by round, then their medians."""
+    dirs = sorted(out.glob("round-*/results.json"), key=lambda f: int(f.parent.name.split("-")[1]))
+    if dirs and not (out / "results.json").exists():
+        done = [report_one(f.parent) for f in dirs]
+        budgets = sorted(done[0]["static"])
+        return rounds.finish(out, done, [*(f"static-{b}" for b in budgets), "adaptive"])
+    report_one(out)
+    return 0
+
+
+def report_one(out: Path) -> dict:
+    """One run (one round) scored again from its records: finish() writes it, and it is returned."""
     path = out / "results.json"
     try:
         results = json.loads(path.read_text())
@@ -538,7 +585,8 @@ def report(out: Path) -> int:
     results["adaptive"]["recovery_intervals"] = recovery_intervals(
         results["adaptive"]["timeline"], starts, specs, c["interval"]
     )
-    return finish(out, results, budgets, phases, specs)
+    finish(out, results, budgets, phases, specs)
+    return results
 
 
 def table(results: dict, budgets: Sequence[int]) -> str:

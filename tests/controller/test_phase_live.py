@@ -115,40 +115,83 @@ def test_the_status_timeline_keeps_one_point_per_decision():
 
 
 @pytest.mark.slow
+def test_rounds_alternate_their_order_and_report_medians_of_within_round_ratios():
+    from stallfree.operator.controller import phase_rounds
+
+    names = ["static-128", "static-512", "adaptive"]
+    assert phase_rounds.run_order(names, 0) == names and phase_rounds.run_order(names, 1) == names[::-1]
+    assert phase_rounds.round_dirs(pl.Path("o"), 1) == [pl.Path("o")]
+    assert phase_rounds.round_dirs(pl.Path("o"), 2) == [pl.Path("o/round-1"), pl.Path("o/round-2")]
+
+    def one(g128: float, g512: float, ga: float, recovery: list) -> dict:
+        static = {128: {"goodput": g128, "host": {"steal_share": 0.01}}, 512: {"goodput": g512, "host": {}}}
+        best = max(g128, g512)
+        summary = {"best_static_budget": 128 if g128 >= g512 else 512, "adaptive_vs_best_static": ga / best,
+                   "adaptive_vs_oracle": ga / (best * 1.1), "ceiling_vs_best_static": 1.0 / best,
+                   "interval_recovery_intervals": recovery, "recovery_intervals": recovery}  # fmt: skip
+        return {
+            "static": static,
+            "adaptive": {"goodput": ga, "host": {"steal_share": 0.03}},
+            "summary": summary,
+        }
+
+    # A slow box in round 2 lowers every goodput; the ratio within each round is what is compared.
+    agg = phase_rounds.aggregate([one(0.4, 0.3, 0.5, [0, 2, 5]), one(0.2, 0.25, 0.3, [1, 3, 4]),
+                                  one(0.4, 0.2, 0.44, [0, 0, 0])], names)  # fmt: skip
+    assert [r["best_static_budget"] for r in agg["rounds"]] == [128, 512, 128]
+    assert agg["median"]["adaptive_vs_best_static"] == pytest.approx(1.2)  # of 1.25, 1.2, 1.1
+    assert agg["median"]["goodput"] == {"static-128": 0.4, "static-512": 0.25, "adaptive": 0.44}
+    assert agg["recovered_within_3_own_p99"] == [7, 9]
+    assert agg["rounds"][0]["max_steal_share"] == 0.03
+    text = phase_rounds.table(agg, names)
+    assert (
+        "1.20x" in text and "7 of 9 within 3" in text and len(text.splitlines()) == 2 + 3 + 2
+    )  # head, rule, rounds, median, note
+
+
 def test_short_live_run_writes_complete_results(tmp_path):
-    """One static budget and the adaptive run, two 15 s phases at low rates on tiny lengths."""
+    """One static budget and the adaptive run, two 15 s phases at low rates on tiny lengths, two rounds."""
     from stallfree.bench.traces import load_trace
 
     try:
         load_trace("arxiv")
     except (FileNotFoundError, ValueError) as e:  # the shared traces are part of the test set-up
         pytest.fail(f"traces missing: {e}")
-    out = tmp_path / "out"
-    rc = pl.main(["--out", str(out), "--budgets", "256", "--initial", "256", "--phases", "0.4/0,0.2/0.2",
+    top = tmp_path / "out"
+    rc = pl.main(["--out", str(top), "--budgets", "256", "--initial", "256", "--phases", "0.4/0,0.2/0.2",
                   "--phase-seconds", "15", "--chat-scale", "0.05", "--summ-scale", "0.05",
-                  "--interval", "2", "--window", "5", "--ready-timeout", "240"])  # fmt: skip
+                  "--interval", "2", "--window", "5", "--ready-timeout", "240", "--rounds", "2"])  # fmt: skip
     assert rc == 0
-    res = json.loads((out / "results.json").read_text())
-    assert res["complete"] and set(res["static"]) == {"256"} and res["adaptive"]
-    n = res["num_requests"]
-    for name, run in [("static-256", res["static"]["256"]), ("adaptive", res["adaptive"])]:
-        assert len(run["phases"]) == 2 and sum(p["requests"] for p in run["phases"]) == n
-        assert sum(run["outcomes"].values()) == n
-        assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
-        assert 0 <= run["host"]["steal_share"] <= 1
-        records = json.loads((out / f"records-{name}.json").read_text())
-        assert len(records) == n and all(r["outcome"] in OUTCOMES for r in records)
-        assert all(r["token_times"] for r in records if r["outcome"] == OK)
-        assert (out / "specs" / f"{name}.yaml").is_file() and (out / "logs" / f"{name}.log").is_file()
-    assert res["static"]["256"]["budgets_seen"] == [256]  # controller off: the budget held
-    assert res["adaptive"]["timeline"] and len(res["adaptive"]["recovery_intervals"]) == 1
-    s = res["summary"]
-    assert s["oracle_budgets"] == [256, 256] and s["adaptive_vs_oracle"] >= 0
-    assert s["ceiling_goodput"] == n / 30 and len(s["interval_recovery_intervals"]) == 1
-    assert (out / "phase_live.png").stat().st_size > 0
+    for k, out in enumerate([top / "round-1", top / "round-2"]):
+        res = json.loads((out / "results.json").read_text())
+        assert res["complete"] and set(res["static"]) == {"256"} and res["adaptive"]
+        assert res["order"] == ["static-256", "adaptive"][:: 1 if k == 0 else -1]
+        n = res["num_requests"]
+        for name, run in [("static-256", res["static"]["256"]), ("adaptive", res["adaptive"])]:
+            assert len(run["phases"]) == 2 and sum(p["requests"] for p in run["phases"]) == n
+            assert sum(run["outcomes"].values()) == n
+            assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
+            assert 0 <= run["host"]["steal_share"] <= 1
+            records = json.loads((out / f"records-{name}.json").read_text())
+            assert len(records) == n and all(r["outcome"] in OUTCOMES for r in records)
+            assert all(r["token_times"] for r in records if r["outcome"] == OK)
+            assert (out / "specs" / f"{name}.yaml").is_file() and (out / "logs" / f"{name}.log").is_file()
+        assert res["static"]["256"]["budgets_seen"] == [256]  # controller off: the budget held
+        assert res["adaptive"]["timeline"] and len(res["adaptive"]["recovery_intervals"]) == 1
+        s = res["summary"]
+        assert s["oracle_budgets"] == [256, 256] and s["adaptive_vs_oracle"] >= 0
+        assert s["ceiling_goodput"] == n / 30 and len(s["interval_recovery_intervals"]) == 1
+        assert (out / "phase_live.png").stat().st_size > 0
+    agg = json.loads((top / "rounds.json").read_text())
+    ratios = sorted(r["adaptive_vs_best_static"] for r in agg["rounds"])
+    assert len(ratios) == 2 and agg["median"]["adaptive_vs_best_static"] == pytest.approx(sum(ratios) / 2)
+    assert (top / "rounds.png").stat().st_size > 0
     # --report scores the saved records again with the saved command line: the same figures, no engine.
+    (top / "rounds.png").unlink()
     (out / "phase_live.png").unlink()
-    assert pl.main(["--out", str(out), "--report"]) == 0
+    assert pl.main(["--out", str(top), "--report"]) == 0
     again = json.loads((out / "results.json").read_text())
     assert again["summary"] == s and again["adaptive"]["phases"] == res["adaptive"]["phases"]
-    assert (out / "phase_live.png").stat().st_size > 0
+    assert json.loads((top / "rounds.json").read_text()) == agg
+    assert (out / "phase_live.png").stat().st_size > 0 and (top / "rounds.png").stat().st_size > 0
+    assert pl.main(["--out", str(out), "--report"]) == 0  # one round on its own
