@@ -341,9 +341,7 @@ def decide(
             # judged after the scale cooldown, and the budget's own cooldown goes on counting, so a TBT
             # violation right after it is still met at once.
             if not admission_only:
-                s2 = replace(s2, intervals_since_change=0)
-            if direction:
-                s2 = replace(s2, last_direction=direction)
+                s2 = replace(s2, intervals_since_change=0, last_direction=direction)
             if scale and action in (SCALE_OUT, SCALE_IN, SHED, RESTORE):
                 s2 = replace(s2, intervals_since_scale=0)
         names = [who] if who else [s.name for s in specs]
@@ -420,7 +418,10 @@ def decide(
         if who in r.tbt_predicted:
             why = f"P99 TBT of {who} predicted at {ratio:.2f}x its SLO (no sample yet; others see that TBT)"
         if b > cfg.budget_min:
-            if st.intervals_since_change < cfg.shrink_cooldown:
+            # The cooldown keeps one bad window from cutting twice: after a cut (or a cap) its samples
+            # still hold the stalls from before it. After a raise they were taken at a smaller budget and
+            # can only understate this violation, so it is met at once.
+            if st.intervals_since_change < cfg.shrink_cooldown and st.last_direction != 1:
                 return out(capped, HOLD, f"{why}; cooling down after the last change")
             nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
             lowered = replace(capped, token_budget=nb)

@@ -170,7 +170,7 @@ class State:
     intervals_since_change: int = 1_000
     intervals_since_scale: int = 1_000
     slack_streak: int = 0
-    last_direction: int = 0  # +1 grew, -1 shrank, 0 none yet
+    last_direction: int = 0  # the last change (not a queue bound): +1 raised the budget, -1 cut it, 0 other
     # Each of the last `raise_memory` intervals' (cluster, observed/SLO P99 TBT) pairs, oldest first.
     recent_tbt: tuple[tuple[tuple[str, float], ...], ...] = ()
 

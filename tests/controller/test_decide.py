@@ -375,6 +375,21 @@ def test_a_shed_queue_reopens_while_the_budget_grows():
     assert decide(snap, raised.settings, soon, SPECS, cfg).action == HOLD
 
 
+def test_a_cut_right_after_a_raise_does_not_wait_out_the_cooldown():
+    """The shrink cooldown keeps one bad window from cutting twice. After a raise the window's older
+    samples were taken at a smaller budget, so a violation seen then is met at once (live run: chat came
+    back right after a raise to 1056 and the cut waited two intervals of 5x stalls)."""
+    cfg = make_config(shrink_cooldown=3)
+    pressure = make_snapshot(chat=dict(tbt_p99=0.03, ttft_p99=2.5, running=4, arrival_rate=2))
+    raised = decide(pressure, start(512, cfg=cfg), State(), SPECS, cfg)
+    assert raised.action == RAISE, raised.reason
+    stall = make_snapshot(chat=dict(tbt_p99=0.3, running=4), summarization=dict(tbt_p99=0.3, running=4))
+    cut = decide(stall, raised.settings, raised.state, SPECS, cfg)
+    assert cut.action == LOWER and cut.settings.token_budget < raised.settings.token_budget, cut.reason
+    again = decide(stall, cut.settings, cut.state, SPECS, cfg)  # after a cut the cooldown holds
+    assert again.action == HOLD and "cooling down" in again.reason, again.reason
+
+
 def test_chunk_caps_follow_budget():
     d = decide(make_snapshot(chat=dict(tbt_p99=0.3, running=8)), start(512), State(), SPECS, CFG)
     for name in ("chat", "summarization"):
