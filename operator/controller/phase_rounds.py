@@ -107,7 +107,9 @@ def plot(agg: dict, names: Sequence[str], path: Path) -> None:
     ax.set_xticks(x, names)
     ax.set_ylabel("goodput (good requests/s)")
     ax.set_title("live phase-shift runs, every round")
-    ax.legend(fontsize=8, loc="upper left")
+    top = max(max(r["goodput"].values()) for r in agg["rounds"])
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the dots
+    ax.legend(fontsize=8, loc="upper center", ncol=len(agg["rounds"]) + 1)
     ratios = [r["adaptive_vs_best_static"] for r in agg["rounds"]]
     bx.plot(np.zeros(len(ratios)), ratios, "o", color="#fd8d3c")
     bx.axhline(agg["median"]["adaptive_vs_best_static"], color="#fd8d3c", label="median")
