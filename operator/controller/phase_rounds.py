@@ -11,12 +11,13 @@ side within it, and their medians across rounds.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import median
 
 import numpy as np
+
+from stallfree.bench import report
 
 
 def run_order(names: Sequence[str], k: int) -> list[str]:
@@ -73,22 +74,19 @@ def aggregate(results: Sequence[dict], names: Sequence[str]) -> dict:
 
 def table(agg: dict, names: Sequence[str]) -> str:
     head = ("round", *names, "best static", "adaptive/best", "adaptive/oracle", "recovery (own P99)", "steal")
-    rows = [head]
-    for r in agg["rounds"]:
-        rows.append((str(r["round"]), *(f"{r['goodput'][n]:.3f}" for n in names), str(r["best_static_budget"]),
-                     f"{r['adaptive_vs_best_static']:.2f}x", f"{r['adaptive_vs_oracle']:.2f}x",
-                     str(r["interval_recovery_intervals"]),
-                     "-" if r["max_steal_share"] is None else f"{r['max_steal_share']:.1%}"))  # fmt: skip
+    rows = [
+        (r["round"], *(f"{r['goodput'][n]:.3f}" for n in names), r["best_static_budget"],
+         f"{r['adaptive_vs_best_static']:.2f}x", f"{r['adaptive_vs_oracle']:.2f}x",
+         str(r["interval_recovery_intervals"]), report.fmt(r["max_steal_share"], ".1%"))
+        for r in agg["rounds"]
+    ]  # fmt: skip
     m = agg["median"]
     w, n = agg["recovered_within_3_own_p99"]
     rows.append(("median", *(f"{m['goodput'][x]:.3f}" for x in names), "",
                  f"{m['adaptive_vs_best_static']:.2f}x", f"{m['adaptive_vs_oracle']:.2f}x",
                  f"{w} of {n} within 3", ""))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * wd for wd in widths))
-    lines.append("goodput in good requests/s; ratios within each round, then their median across rounds")
-    return "\n".join(lines)
+    note = "goodput in good requests/s; ratios within each round, then their median across rounds"
+    return f"{report.table(head, rows)}\n{note}"
 
 
 def plot(agg: dict, names: Sequence[str], path: Path) -> None:
@@ -126,7 +124,7 @@ def plot(agg: dict, names: Sequence[str], path: Path) -> None:
 def finish(out: Path, results: Sequence[dict], names: Sequence[str]) -> int:
     """rounds.json, rounds.png and the table, from every round's results.json (after a run and --report)."""
     agg = aggregate(results, names)
-    (out / "rounds.json").write_text(json.dumps(agg, indent=1))
+    report.write_json(out, "rounds.json", agg)
     plot(agg, names, out / "rounds.png")
     print(table(agg, names))
     return 0
