@@ -144,12 +144,12 @@ class ControlLoop:
         merged = dict(self.settings.clusters)
         merged.update(settings.clusters)
         found = replace(settings, token_budget=b, replicas=n, clusters=merged)
-        ours = replace(
-            found, clusters={s.name: found.knobs(s.name) for s in self.specs}
-        )  # not the engine's others
+        # Compared on this spec's clusters only: an engine may report others.
+        ours = replace(found, clusters={s.name: found.knobs(s.name) for s in self.specs})
         if self.last is None and with_caps(ours, self.specs, b) == self.initial:
-            self.state = replace(self.state, intervals_since_change=State().intervals_since_change,
-                                 intervals_since_scale=State().intervals_since_scale)  # fmt: skip
+            fresh = State()
+            self.state = replace(self.state, intervals_since_change=fresh.intervals_since_change,
+                                 intervals_since_scale=fresh.intervals_since_scale)  # fmt: skip
         self.settings = found
 
     # ---- the status document (the CRD's .status, the same in local mode) -------------------------------
