@@ -70,6 +70,10 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 8
+    # kopf holds its finalizer until every timer of a deleted resource has exited. A timer caught mid-run (a
+    # resync, a budget-controller step waiting on Prometheus) does not exit at once, and kopf then looks
+    # again only after cancellation_polling: 60 s by default, which held `kubectl delete` for a minute.
+    settings.background.cancellation_polling = 1.0
 
 
 def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:

@@ -46,12 +46,18 @@ class PrometheusSource:
         max_age_s: float = 60.0,
     ) -> None:
         from prometheus_api_client import PrometheusConnect  # lazy: `--help` stays fast
+        from urllib3.util.retry import Retry
 
         self.url = url.rstrip("/")
         self.selector = selector
         self.max_age_s = max_age_s
         self._timeout = timeout_s
-        self._prom = PrometheusConnect(url=self.url, disable_ssl=True, timeout=int(max(1, timeout_s)))
+        # One quick retry for a refused connection or a gateway error, none for a read that timed out: the
+        # client's default (3 retries, 1 s backoff) held a step 21 s on a hung Prometheus, not timeout_s.
+        retry = Retry(total=1, read=0, backoff_factor=0.2, status_forcelist=(502, 503, 504))
+        self._prom = PrometheusConnect(
+            url=self.url, disable_ssl=True, timeout=int(max(1, timeout_s)), retry=retry
+        )
         self.last_replicas: list[ReplicaReading] = []
 
     def query(self, expr: str) -> list[dict]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 from controller_factories import make_config, make_specs
 from fake_engine import FakeEngine
@@ -83,3 +86,28 @@ def test_tbt_violation_lowers_budget_then_prometheus_down_holds(fleet):
     finally:
         prom.start()
         engine.latency["chat"]["tbt"] = 0.05
+
+
+def test_a_hung_prometheus_costs_one_timeout_not_four():
+    """A Prometheus that accepts and never answers: the query fails after its one timeout. The client's
+    default retries (3, with backoff) would hold a controller step, and a deletion behind it, 4x as long."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        source = PrometheusSource(f"http://127.0.0.1:{server.getsockname()[1]}", timeout_s=1.0)
+        with pytest.raises(MetricsUnavailable, match="did not answer"):
+            source.query("up")
+        assert len(held) == 1
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+import uuid
 
 import pytest
 import yaml
@@ -189,6 +191,30 @@ def test_spec_updates_roll_children_and_delete_cascades(
         return not out.strip() and admin is None
 
     wait_until(children_gone, timeout=60, what="children garbage-collected")
+
+
+def test_delete_is_not_held_by_a_timer_caught_mid_run(k8s: K8sEnv, crd: dict):
+    """kopf keeps its finalizer until a deleted resource's timers have exited, and a timer caught mid-run
+    (a resync) exits only when that run ends. Deletion must follow soon after, not at kopf's default 60 s
+    re-check. An operator of its own resyncs back to back, so most deletions land in a run."""
+    ns = f"busy-{uuid.uuid4().hex[:8]}"  # outside operator_all's t*: one operator per resource
+    k8s.kubectl("create", "namespace", ns)
+    op = OperatorProcess(k8s, "--namespace", ns, resync=0.05)
+    try:
+        obj = load_example("sarathideployment.yaml")
+        obj["spec"]["controller"]["enabled"] = False  # the resync timer alone
+        took = []
+        for i in range(3):
+            obj["metadata"]["name"] = f"busy-{i}"
+            k8s.apply(obj, ns)
+            wait_ready(k8s, f"busy-{i}", ns)
+            start = time.monotonic()
+            k8s.kubectl("delete", "sarathi", f"busy-{i}", "-n", ns, "--wait=true", "--timeout=50s")
+            took.append(time.monotonic() - start)
+        assert max(took) < 20, f"deletions took {took} s; operator log: {op.log_path}"
+    finally:
+        op.stop()
+        k8s.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_not_enough_gpus_reports_why(k8s: K8sEnv, operator_all: OperatorProcess, namespace: str):
