@@ -34,7 +34,8 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    replica fewer.
 
 Hysteresis: ratios observed/SLO between `slack` and `violate` hold, and a new budget aims at `target`
-(inside that band), so a steady signal never flips direction. Cooldowns count intervals since the last change.
+(inside that band), so a steady signal never flips direction. Cooldowns count intervals since the last change;
+a TBT cut skips its cooldown after a raise, or for a cluster whose TBT SLO is stricter than the last cut aimed at.
 Chunk caps follow the budget: min(spec chunkCap, budget).
 """
 
@@ -420,11 +421,21 @@ def decide(
         if b > cfg.budget_min:
             # The cooldown keeps one bad window from cutting twice: after a cut (or a cap) its samples
             # still hold the stalls from before it. After a raise they were taken at a smaller budget and
-            # can only understate this violation, so it is met at once.
-            if st.intervals_since_change < cfg.shrink_cooldown and st.last_direction != 1:
+            # can only understate this violation, so it is met at once. So is a violation of a TBT SLO
+            # stricter than any the last cut aimed at (traffic of a stricter cluster arrived since): that
+            # cut leaves it over target even once its window has cleared.
+            slo = {s.name: s.slo.tbt_p99 for s in specs}
+            stricter = st.last_direction == -1 and st.cut_slo is not None and slo[who] < st.cut_slo
+            if st.intervals_since_change < cfg.shrink_cooldown and st.last_direction != 1 and not stricter:
                 return out(capped, HOLD, f"{why}; cooling down after the last change")
             nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
             lowered = replace(capped, token_budget=nb)
+            aim = min(slo[name] for name, _ in r.tbt_now)  # the calibrated limit holds all of them
+
+            def cut(new: Settings, reason: str) -> Decision:
+                d = out(new, LOWER, reason, direction=-1)
+                return replace(d, state=replace(d.state, cut_slo=aim))
+
             floor_time = model.iteration_time(max(nb - r.n_decode, 0.0), r.n_decode, r.context)
             if nb == cfg.budget_min and floor_time > r.time_limit and settings.replicas >= cfg.replicas_max:
                 # Decode-bound: by the calibrated model even the floor misses the target with what runs
@@ -433,13 +444,12 @@ def decide(
                 throttle = _throttle_target(snap, settings, specs)
                 if throttle is not None:
                     name, mr = throttle
-                    return out(
-                        lowered.with_knobs(name, max_running=mr), LOWER,
+                    return cut(
+                        lowered.with_knobs(name, max_running=mr),
                         f"{why}: budget {b} -> {nb}, and as decodes alone miss the target at the floor, "
                         f"lowest-priority cluster {name} maxRunning -> {mr} per replica",
-                        direction=-1,
                     )  # fmt: skip
-            return out(lowered, LOWER, f"{why}: budget {b} -> {nb}", direction=-1)
+            return cut(lowered, f"{why}: budget {b} -> {nb}")
         return escalate(f"{why} with the budget at its floor {cfg.budget_min}", decode_bound=True)
 
     # 2./3. Prefill overload or TTFT / queue pressure.

@@ -171,6 +171,7 @@ class State:
     intervals_since_scale: int = 1_000
     slack_streak: int = 0
     last_direction: int = 0  # the last change (not a queue bound): +1 raised the budget, -1 cut it, 0 other
+    cut_slo: float | None = None  # the strictest P99 TBT SLO (s) among the clusters the last cut was aimed at
     # Each of the last `raise_memory` intervals' (cluster, observed/SLO P99 TBT) pairs, oldest first.
     recent_tbt: tuple[tuple[tuple[str, float], ...], ...] = ()
 

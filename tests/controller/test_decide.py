@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from controller_factories import make_config, make_snapshot, make_specs
+from controller_factories import CHAT_SLO, SUMM_SLO, make_config, make_snapshot, make_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -388,6 +388,26 @@ def test_a_cut_right_after_a_raise_does_not_wait_out_the_cooldown():
     assert cut.action == LOWER and cut.settings.token_budget < raised.settings.token_budget, cut.reason
     again = decide(stall, cut.settings, cut.state, SPECS, cfg)  # after a cut the cooldown holds
     assert again.action == HOLD and "cooling down" in again.reason, again.reason
+
+
+def test_a_stricter_cluster_arriving_after_a_cut_does_not_wait_out_the_cooldown():
+    """A cut aimed at summarization's TBT SLO leaves chat (4x stricter) over target even once the window
+    has cleared, so chat arriving during that cut's cooldown is met at once (live run: a cut 1216 -> 992
+    for summarization, then chat predicted at 6.25x waited two intervals). A violation the cut did aim at
+    still waits."""
+    cfg = make_config(shrink_cooldown=3)
+    docs = make_snapshot(summarization=dict(tbt_p99=0.5, running=4))
+    first = decide(docs, start(2048, cfg=cfg), State(), SPECS, cfg)
+    assert first.action == LOWER and first.state.cut_slo == SUMM_SLO.tbt_p99, first.reason
+    same = decide(docs, first.settings, first.state, SPECS, cfg)
+    assert same.action == HOLD and "cooling down" in same.reason, same.reason
+    chat = make_snapshot(summarization=dict(tbt_p99=0.5, running=4), chat=dict(running=2))
+    again = decide(chat, first.settings, first.state, SPECS, cfg)
+    assert again.action == LOWER and again.settings.token_budget < first.settings.token_budget, again.reason
+    assert "chat predicted" in again.reason and again.state.cut_slo == CHAT_SLO.tbt_p99
+    # aimed at chat already: summarization's own violation during the cooldown waits
+    after = decide(docs, again.settings, again.state, SPECS, cfg)
+    assert after.action == HOLD and "cooling down" in after.reason, after.reason
 
 
 def test_chunk_caps_follow_budget():
