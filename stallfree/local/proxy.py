@@ -1,7 +1,8 @@
 """One OpenAI endpoint in front of the local engine replicas.
 
 /v1/* goes to the replica with the fewest requests in flight through this proxy (ties: the first), streamed
-through unchanged (SSE included); a replica that refuses the connection is skipped before any byte is sent.
+through unchanged (SSE included); a replica that refuses the connection is skipped before any byte is sent,
+one that drops it before answering gets the request once more, and a transport failure is a 502 JSON error.
 Also: /health, /ready, /metrics (the controller's decisions) and GET /admin/v1/status (the status document,
 bearer token only when one is configured or the proxy binds beyond loopback).
 """
@@ -59,14 +60,19 @@ def build_app(
     admin_token: str | None,
 ) -> Starlette:
     router = Router(endpoints)
+    # Idle connections expire before the engines' own keep-alive timeout (uvicorn's 5 s): reusing one the
+    # engine is closing at that moment fails the request with a reset (seen once in a live run).
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=512)
+        timeout=httpx.Timeout(None, connect=5.0),
+        limits=httpx.Limits(max_connections=512, keepalive_expiry=2.0),
     )
 
     async def forward(request: Request) -> Response:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        for base in router.order():
+        queue, retried = router.order(), False
+        while queue:
+            base = queue.pop(0)
             url = f"{base}{request.url.path}"
             req = client.build_request(
                 request.method, url, params=request.query_params, headers=headers, content=body
@@ -76,6 +82,17 @@ def build_app(
             except httpx.ConnectError as e:
                 log.warning("replica %s refused the connection (%s); trying the next", base, e)
                 continue
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                # Closed before any response byte: the request is tried once more, on a fresh connection.
+                if not retried:
+                    log.warning("replica %s closed the connection before answering (%r); retrying", base, e)
+                    queue.insert(0, base)
+                    retried = True
+                    continue
+                return _error(502, f"engine replica {base} closed the connection before answering: {e!r}",
+                              "bad_gateway")  # fmt: skip
+            except httpx.TransportError as e:
+                return _error(502, f"engine replica {base} failed: {e!r}", "bad_gateway")
             router.in_flight[base] = router.in_flight.get(base, 0) + 1
 
             async def done(resp: httpx.Response = resp, base: str = base) -> None:

@@ -1,0 +1,88 @@
+"""The local-mode proxy against a replica that drops connections: a real socket server stands in for the
+engine (the fault is what is under test, not the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+
+import httpx
+
+from stallfree.local.proxy import build_app
+
+
+class DroppingReplica:
+    """Reads each request, resets the connection for the first `drops` of them (the way an engine closing
+    an idle keep-alive connection meets a request sent on it), then answers 200 with a JSON body."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops = drops
+        self.requests = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = next(
+                    (int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:])
+                     if k.strip().lower() == b"content-length"), 0,
+                )  # fmt: skip
+                while len(body) < length:
+                    body += conn.recv(65536)
+                self.requests += 1
+                if self.requests <= self.drops:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+                    continue
+                out = json.dumps({"echo": json.loads(body)}).encode()
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(out), out)
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def post_through_proxy(replica: DroppingReplica) -> httpx.Response:
+    app = build_app(lambda: [replica.url], dict, lambda: (b"", "text/plain"), None)
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as c:
+            resp = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            await resp.aread()
+            return resp
+
+    try:
+        return asyncio.run(run())
+    finally:
+        replica.close()
+
+
+def test_a_connection_dropped_before_the_answer_is_retried_once():
+    replica = DroppingReplica(drops=1)
+    resp = post_through_proxy(replica)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"echo": {"prompt": "hi", "max_tokens": 2}}
+    assert replica.requests == 2
+
+
+def test_a_replica_that_keeps_dropping_gets_an_explicit_502():
+    replica = DroppingReplica(drops=10)
+    resp = post_through_proxy(replica)
+    assert resp.status_code == 502
+    error = resp.json()["error"]
+    assert error["type"] == "bad_gateway" and "closed the connection before answering" in error["message"]
+    assert replica.requests == 2
