@@ -304,6 +304,35 @@ def recovery_intervals(timeline: list[dict], starts: list[float], specs, interva
     return out
 
 
+def violation_episodes(timeline: list[dict], specs, interval: float) -> list[dict]:
+    """Every stretch of the timeline in which some cluster's P99 TBT is over its SLO, wherever it falls:
+    {start, intervals (control intervals from its first violated point to the first point with every
+    cluster within SLO again; None = still over at the end), worst (the largest P99 TBT / SLO in it)}.
+    recovery_intervals counts from each phase change; this counts from each violation's own start, so a
+    violation in mid-phase (the controller's own move, or drift) is measured by how long it lasted."""
+    slo = {s.name: s.slo.tbt_p99 for s in specs}
+    out: list[dict] = []
+    open_: dict | None = None
+    for x in timeline:
+        ratios = [v / slo[n] for n, v in x["tbt_p99"].items() if v is not None]
+        worst = max(ratios, default=0.0)
+        if worst > 1.0:
+            if open_ is None:
+                open_ = {"start": float(x["t"]), "intervals": None, "worst": worst}
+                out.append(open_)
+            open_["worst"] = max(open_["worst"], worst)
+        elif open_ is not None:
+            open_["intervals"] = math.ceil((x["t"] - open_["start"]) / interval - 1e-9)
+            open_ = None
+    return out
+
+
+def longest_episode(episodes: list[dict]) -> int | None:
+    """The longest violation in control intervals: 0 with none, None when one never ended."""
+    lengths = [e["intervals"] for e in episodes]
+    return None if None in lengths else max(lengths, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stallfree phase-sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -393,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['best_static_goodput']:.3f}; oracle {s['oracle_goodput']:.3f} (budgets {s['oracle_budgets']}); "
               f"adaptive/best static {s['adaptive_vs_best_static']:.2f}x, adaptive/oracle "
               f"{s['adaptive_vs_oracle']:.2f}x, ceiling/best static {s['ceiling_vs_best_static']:.2f}x; recovery intervals {s['recovery_intervals']} (controller's "
-              f"window), {s['interval_recovery_intervals']} (each interval's own P99)")  # fmt: skip
+              f"window), {s['interval_recovery_intervals']} (each interval's own P99); longest violation "
+              f"{s['longest_violation_intervals']} intervals (window), {s['interval_longest_violation_intervals']} "
+              f"(own P99)")  # fmt: skip
     w3 = results["seeds"]["recovered_within_3"]
     print(f"median over {len(seeds)} seed(s): adaptive/best static {med['adaptive_vs_best_static']:.2f}x, "
           f"adaptive/oracle {med['adaptive_vs_oracle']:.2f}x (oracle/best static {med['oracle_vs_best_static']:.2f}x, "
@@ -442,6 +473,8 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
     # without the controller's longer window still holding stalls from before its correction.
     per_interval = client_timeline(recs, [s.name for s in specs], a.interval, a.interval)
     ad["interval_recovery_intervals"] = recovery_intervals(per_interval, starts, specs, a.interval)
+    ad["violation_episodes"] = violation_episodes(tl, specs, a.interval)
+    ad["interval_violation_episodes"] = violation_episodes(per_interval, specs, a.interval)
     ad["rejected"] = sum(r.rejected for r in recs)
     results["adaptive"] = ad
     best_static = max(budgets, key=lambda b: results["static"][b]["goodput"])
@@ -469,6 +502,8 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
         "ceiling_vs_best_static": ceiling_goodput / max(results["static"][best_static]["goodput"], 1e-9),
         "recovery_intervals": ad["recovery_intervals"],
         "interval_recovery_intervals": ad["interval_recovery_intervals"],
+        "longest_violation_intervals": longest_episode(ad["violation_episodes"]),
+        "interval_longest_violation_intervals": longest_episode(ad["interval_violation_episodes"]),
     }
     if bounded:
         best_bounded = max(bounded, key=lambda k: bounded[k]["goodput"])

@@ -79,6 +79,7 @@ from stallfree.operator.controller.phase_experiment import (
     plot,
     recovery_intervals,
     score,
+    violation_episodes,
 )
 from stallfree.operator.controller.types import ClusterSpec, Slo
 from stallfree.operator.spec import API_VERSION, KIND
@@ -324,6 +325,7 @@ def judge(
     # As phase_experiment: each interval's own P99 (gaps that ended in it), without a window's memory.
     own = client_timeline(recs, names, step, step)
     sc["interval_recovery_intervals"] = recovery_intervals(own, starts, specs, step)
+    sc["interval_violation_episodes"] = violation_episodes(own, specs, step)
     return sc
 
 
@@ -387,6 +389,9 @@ def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: flo
         "interval_recovery_intervals": ad.get("interval_recovery_intervals"),
         "best_static_client_recovery_intervals": static[best]["client_recovery_intervals"],
         "best_static_interval_recovery_intervals": static[best].get("interval_recovery_intervals"),
+        # How long each violation lasted from its own start, wherever it fell (phase_experiment).
+        "violation_episodes": ad.get("violation_episodes"),
+        "interval_violation_episodes": ad.get("interval_violation_episodes"),
     }
 
 
@@ -511,6 +516,7 @@ def run_round(
         sc = {**judge(records, reqs, specs, starts, a.phase_seconds, a.interval, a.window), **info}
         if b is None:
             sc["recovery_intervals"] = recovery_intervals(sc["timeline"], starts, specs, a.interval)
+            sc["violation_episodes"] = violation_episodes(sc["timeline"], specs, a.interval)
             results["adaptive"] = sc
         else:
             del sc["timeline"]  # no decisions with the controller off; budgets_seen shows B held
@@ -585,6 +591,9 @@ def report_one(out: Path) -> dict:
     results["adaptive"]["recovery_intervals"] = recovery_intervals(
         results["adaptive"]["timeline"], starts, specs, c["interval"]
     )
+    results["adaptive"]["violation_episodes"] = violation_episodes(
+        results["adaptive"]["timeline"], specs, c["interval"]
+    )
     finish(out, results, budgets, phases, specs)
     return results
 
@@ -612,6 +621,10 @@ def table(results: dict, budgets: Sequence[int]) -> str:
         f"adaptive/oracle {s['adaptive_vs_oracle']:.2f}x; recovery intervals after each phase change "
         f"{s['recovery_intervals']} (controller's view), {s['client_recovery_intervals']} (client's view)"
     )
+    eps = s.get("interval_violation_episodes")
+    if eps:  # absent from runs scored before episodes were counted
+        lines.append("violations of P99 TBT (each interval's own): " + "; ".join(
+            f"from {e['start']:.0f} s, {e['intervals']} intervals, worst {e['worst']:.2f}x" for e in eps))  # fmt: skip
     return "\n".join(lines)
 
 

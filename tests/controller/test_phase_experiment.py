@@ -58,6 +58,13 @@ def test_recovery_intervals_count_from_each_phase_change():
         {"t": 310, "tbt_p99": {"chat": 3.0, "summarization": 9.0}},  # phase 4: never back
     ]
     assert pe.recovery_intervals(tl, [0, 100, 200, 300], specs, 10.0) == [3, 0, None]
+    # Each violation counted from its own start, wherever it falls: the one at 140 s lasted until 210 s.
+    eps = pe.violation_episodes(tl, specs, 10.0)
+    assert [(e["start"], e["intervals"]) for e in eps] == [(110.0, 2), (140.0, 7), (310.0, None)]
+    assert [e["worst"] for e in eps] == [2.0, 3.0, 3.0]
+    assert (
+        pe.longest_episode(eps) is None and pe.longest_episode(eps[:2]) == 7 and pe.longest_episode([]) == 0
+    )
 
 
 def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
