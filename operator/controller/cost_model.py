@@ -3,7 +3,9 @@
 The controller never trusts a model's absolute scale: it multiplies the prediction by a calibration factor
 (observed P99 TBT / predicted iteration time at the current budget), so the model only has to get the shape
 right — how much longer an iteration gets per extra prefill token. A profile fitted by `stallfree profile`
-(stallfree.bench) is used when given; otherwise a conservative built-in linear model.
+(stallfree.bench) is used when given; otherwise a conservative built-in linear model. A profile fitted on
+the serving hardware is also trusted in absolute terms (`absolute`): the budget is then kept where a full
+iteration meets the strictest TBT SLO among the clusters with traffic, before any stall is observed.
 """
 
 from __future__ import annotations
@@ -12,15 +14,36 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 
 class CostModel(Protocol):
-    def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
-        """Seconds one iteration takes with this many prefill and decode tokens at this mean context."""
+    @property
+    def absolute(self) -> bool:
+        """Whether the model's seconds can be taken as they are (a profile fitted on this hardware), not
+        only its shape: then the decision core also keeps a full iteration within the strictest TBT SLO
+        present."""
         ...
+
+    def iteration_time(
+        self, n_prefill: float, n_decode: float, context: float, prompt_end: float | None = None
+    ) -> float:
+        """Seconds one iteration takes with this many prefill and decode tokens at this mean context. With
+        `prompt_end`, the prefill tokens are the last chunk of a prompt that long (its slowest chunk: it
+        attends over the whole prompt before it) rather than average ones."""
+        ...
+
+
+def _prefill_context(p: float, context: float, prompt_end: float | None) -> float:
+    """Mean tokens a prefill token attends to: half the prompt on average over a prompt of `context`
+    tokens; for the last `p` tokens of a `prompt_end`-token prompt, prompt_end - (p - 1)/2, as the profiler
+    counts them (several whole prompts when the chunk is longer than one)."""
+    if prompt_end is None:
+        return context / 2
+    end = max(prompt_end, 0.0)
+    return end - (min(p, end) - 1) / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,15 +55,19 @@ class LinearCostModel:
     per_decode: float = 1e-3
     per_decode_context: float = 1e-7
     per_prefill_context: float = 0.0
+    absolute: bool = False  # built-in or hand-written coefficients: a shape, not this machine's seconds
 
-    def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
+    def iteration_time(
+        self, n_prefill: float, n_decode: float, context: float, prompt_end: float | None = None
+    ) -> float:
         p, d, c = max(n_prefill, 0.0), max(n_decode, 0.0), max(context, 0.0)
+        pc = c if prompt_end is None else 2 * _prefill_context(p, c, prompt_end)
         return (
             self.base
             + self.per_prefill * p
             + self.per_decode * d
             + self.per_decode_context * d * c
-            + self.per_prefill_context * p * c
+            + self.per_prefill_context * p * pc
         )
 
 
@@ -55,13 +82,16 @@ class ProfiledCostModel:
     than the prompts look slower than they are."""
 
     fit: object
+    absolute: bool = True  # fitted on the hardware it serves on
 
-    def iteration_time(self, n_prefill: float, n_decode: float, context: float) -> float:
+    def iteration_time(
+        self, n_prefill: float, n_decode: float, context: float, prompt_end: float | None = None
+    ) -> float:
         p, d, c = max(n_prefill, 0.0), max(n_decode, 0.0), max(context, 0.0)
         features = {
             "const": 1.0,
             "prefill_tokens": p,
-            "prefill_attn": p * c / 2,
+            "prefill_attn": p * _prefill_context(p, c, prompt_end),
             "prefill_chunks": 1.0 if p > 0 else 0.0,
             "decode_tokens": d,
             "decode_attn": d * (c + 1) if d > 0 else 0.0,
@@ -75,14 +105,21 @@ BUILTIN = LinearCostModel()
 
 
 def budget_for_time(
-    model: CostModel, seconds: float, n_decode: float, context: float, lo: int, hi: int
+    model: CostModel,
+    seconds: float,
+    n_decode: float,
+    context: float,
+    lo: int,
+    hi: int,
+    prompt_end: float | None = None,
 ) -> int:
-    """Largest budget in [lo, hi] (prefill + decode tokens) whose iteration fits in `seconds`; lo when none.
-    Bisection, so any monotone model works."""
+    """Largest budget in [lo, hi] (prefill + decode tokens) whose iteration fits in `seconds`; lo when none
+    (`prompt_end`: its prefill is the last chunk of a prompt that long). Bisection, so any monotone model
+    works."""
     d = max(n_decode, 0.0)
 
     def fits(b: int) -> bool:
-        return model.iteration_time(max(b - d, 0.0), d, context) <= seconds
+        return model.iteration_time(max(b - d, 0.0), d, context, prompt_end) <= seconds
 
     if not fits(lo):
         return lo
@@ -134,8 +171,10 @@ def load_cost_model(path: str | Path | None) -> CostModel:
 
         return ProfiledCostModel(BenchCostModel.load(path))
     coeffs = doc.get("coefficients", doc.get("fit", doc))
-    known = {f for f in LinearCostModel.__dataclass_fields__}
-    picked = {k: float(v) for k, v in coeffs.items() if k in known and isinstance(v, (int, float))}
+    known = {f for f in LinearCostModel.__dataclass_fields__} - {"absolute"}
+    picked: dict[str, Any] = {
+        k: float(v) for k, v in coeffs.items() if k in known and isinstance(v, (int, float))
+    }
     if not picked:
         raise ValueError(f"cost model {path}: no coefficients among {sorted(known)}")
     return LinearCostModel(**picked)

@@ -8,6 +8,10 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    the target with what runs now (decode-bound), at replicas.max the running cap of step 2 comes in the
    same step rather than an interval of stalls later. A cluster with requests in the engines but no TBT
    sample yet is judged on the worst P99 TBT the others see (the iteration time its streams will get).
+   With a cost model trusted in absolute terms (a profile of the serving hardware), the budget is also
+   kept where a full iteration (the last chunk of a long prompt) is modelled at `target` x the strictest
+   TBT SLO among clusters with traffic, and cut there as soon as it is modelled over `guard` x that SLO,
+   before any stall is observed (chat arriving into a budget sized for documents).
 2. TBT violated with the budget on its floor, or prefill tokens arriving faster than the budget can serve
    (cost model), or TTFT/queue pressure with no TBT slack left -> scale out (up to replicas.max), else shed
    the lowest-priority cluster with traffic. With the budget on its floor, what still makes iterations slow
@@ -15,6 +19,9 @@ Order of concerns, each interval (one fleet-wide action at most, so every change
    reduce: so for TBT, shedding first caps that cluster's running requests at half of what runs now
    (maxRunning; the engine pauses the prompts over it at once, streams drain), again every `cap_cooldown`
    intervals while TBT stays violated; once it runs one request, it halves its queue bound (maxWaiting).
+   With a trusted model both come in one step instead: the largest running cap with which the modelled
+   iteration meets the TBT target, and the queue bound that the cluster's share of the modelled prefill
+   capacity drains within `target` x its TTFT SLO (a longer queue holds only requests that will miss it).
    A growing queue or modelled overload with every SLO met may scale out, but sheds only once TTFT or
    scheduling delay has no slack left: bursts of long prompts queue up and drain, a windowed arrival
    rate is noisy, and shedding fails requests for sure.
@@ -91,6 +98,10 @@ class _Reading:
     raise_slack: bool
     raise_limit: int
     tbt_now: tuple[tuple[str, float], ...]  # (cluster, TBT ratio) this interval, for State.recent_tbt
+    # With a model trusted in absolute terms: (modelled full iteration at the current budget / the strictest
+    # P99 TBT SLO among clusters with traffic, that cluster); budget_limit and raise_limit then keep it at
+    # `target` too.
+    modelled: tuple[float, str] | None
     overloaded: bool  # prefill arrivals beyond `overload` x modelled capacity
     demand: float  # prefill tokens per second, fleet-wide
     capacity: float  # modelled prefill tokens per second per replica at the current budget
@@ -157,6 +168,27 @@ def _read(
             if name in peaks:  # a cluster whose traffic has gone cannot be stalled by a raise
                 peaks[name] = max(peaks[name], r)
     raise_limit, _ = _calibrated_limit(list(peaks.values()), predicted, n_decode, context, cfg, model)
+    # Feedforward, with a profile of this hardware: a full iteration (a long prompt's chunk filling the
+    # budget) is what the P99 TBT of every running stream becomes once such a prompt arrives. Chat returning
+    # into a budget sized for documents would stall for a whole window before its P99 shows it, and a
+    # window in a lull between long prompts shows no stall at all. So the budget is also kept where the
+    # profile puts a full iteration at `target` x the strictest TBT SLO among clusters with traffic.
+    # The slowest full iteration is the last chunk of a long prompt, attending over all of it: the mean
+    # prompt of the cluster with the longest ones stands for it.
+    modelled = None
+    if getattr(model, "absolute", False):
+        live = [(s, c) for s, c in obs if c.arrival_rate > 0 or c.waiting > 0 or c.running > 0]
+        if live:
+            strict = min((s for s, _ in live), key=lambda s: s.slo.tbt_p99)
+            end = max(c.mean_context for _, c in live)
+            full = model.iteration_time(max(b - n_decode, 0.0), n_decode, context, end)
+            modelled = (full / strict.slo.tbt_p99, strict.name)
+            ff_time = cfg.target * strict.slo.tbt_p99
+            ff_limit = budget_for_time(
+                model, ff_time, n_decode, context, cfg.budget_min, cfg.budget_max, prompt_end=end
+            )
+            limit, raise_limit = min(limit, ff_limit), min(raise_limit, ff_limit)
+            allowed = min(allowed, ff_time)
 
     pressures: list[tuple[float, str, str]] = []
     for s, c in obs:
@@ -199,6 +231,7 @@ def _read(
         raise_slack=all(r < cfg.slack for r in peaks.values()),
         raise_limit=min(limit, raise_limit),
         tbt_now=tuple((name, r) for r, name in tbt),
+        modelled=modelled,
         overloaded=overloaded,
         demand=demand,
         capacity=capacity,
@@ -355,6 +388,37 @@ def decide(
             cluster_reasons={n: reason for n in names},
         )
 
+    absolute = getattr(model, "absolute", False)
+
+    def fit_cap(name: str, half: int, budget: int) -> int:
+        """A running cap for `name` in one step: with a model trusted in absolute terms, the largest up to
+        `half` with which a full iteration at `budget` meets the TBT target (at least 1); else `half`."""
+        if not absolute:
+            return half
+        c, reps = snap.cluster(name), max(settings.replicas, 1)
+        others = max(r.n_decode - c.running / reps, 0.0)
+        for k in range(half, 1, -1):
+            n2 = others + k
+            ctx = (r.context * r.n_decode - c.mean_context * c.running / reps + c.mean_context * k) / n2
+            if model.iteration_time(max(budget - n2, 0.0), n2, max(ctx, 0.0)) <= r.time_limit:
+                return k
+        return 1
+
+    def drain_bound(name: str) -> int | None:
+        """With a model trusted in absolute terms: the queue of `name` that its share of the modelled
+        prefill capacity (what higher-priority clusters leave) serves within `target` x its TTFT SLO. A
+        longer queue only holds requests that will miss it. None without such a model or arrivals."""
+        c = snap.cluster(name)
+        if not absolute or c.arrival_rate <= 0 or c.prefill_token_rate <= 0:
+            return None
+        spec = next(s for s in specs if s.name == name)
+        above = sum(snap.cluster(s.name).prefill_token_rate for s in specs if s.priority > spec.priority)
+        share = r.capacity - above / max(settings.replicas, 1)
+        mean_prompt = c.prefill_token_rate / c.arrival_rate
+        if mean_prompt < 1:  # less than a token a request: no meaningful rate yet
+            return None
+        return int(max(share, 0.0) * cfg.target * spec.slo.ttft_p99 / mean_prompt) - 1
+
     def escalate(why: str, decode_bound: bool = False, may_shed: bool = True) -> Decision:
         if st.intervals_since_scale < cfg.scale_cooldown:
             return out(capped, HOLD, f"{why}; waiting for the last scale/shed to take effect")
@@ -371,6 +435,7 @@ def decide(
             if st.intervals_since_change < cfg.cap_cooldown:
                 return out(capped, HOLD, f"{why}; cooling down after the last change")
             name, mr = throttle
+            mr = fit_cap(name, mr, b)
             return out(
                 capped.with_knobs(name, max_running=mr),
                 SHED,
@@ -383,6 +448,9 @@ def decide(
         if target is None:
             return out(capped, HOLD, f"{why}; at replicas.max and nothing left to shed")
         name, mw = target
+        bound = drain_bound(name)
+        if bound is not None:  # in one step, not by halving over several scale cooldowns
+            mw = max(cfg.min_max_waiting, min(mw, bound))
         return out(
             capped.with_knobs(name, max_waiting=mw),
             SHED,
@@ -444,6 +512,7 @@ def decide(
                 throttle = _throttle_target(snap, settings, specs)
                 if throttle is not None:
                     name, mr = throttle
+                    mr = fit_cap(name, mr, nb)
                     return cut(
                         lowered.with_knobs(name, max_running=mr),
                         f"{why}: budget {b} -> {nb}, and as decodes alone miss the target at the floor, "
@@ -451,6 +520,21 @@ def decide(
                     )  # fmt: skip
             return cut(lowered, f"{why}: budget {b} -> {nb}")
         return escalate(f"{why} with the budget at its floor {cfg.budget_min}", decode_bound=True)
+
+    # 1b. No stall seen yet, but by the profile a full iteration at this budget would stall the strictest
+    # cluster with traffic: cut now, to where it meets `target`. Not cooled down: it reads no window.
+    if r.modelled and r.modelled[0] > cfg.guard and b > cfg.budget_min:
+        nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
+        slo = {s.name: s.slo.tbt_p99 for s in specs}
+        ratio, who = r.modelled
+        d = out(
+            replace(capped, token_budget=nb),
+            LOWER,
+            f"a full iteration at budget {b} is modelled at {ratio:.2f}x the P99 TBT SLO of {who} "
+            f"(the strictest with traffic): budget {b} -> {nb}",
+            direction=-1,
+        )
+        return replace(d, state=replace(d.state, cut_slo=slo[who]))
 
     # 2./3. Prefill overload or TTFT / queue pressure.
     if r.pressure or r.overloaded:

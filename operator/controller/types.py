@@ -63,6 +63,9 @@ class ControllerConfig:
     slack: float = 0.8
     # Where a new budget aims: the cost model's predicted TBT at `target` x the strictest TBT SLO.
     target: float = 0.85
+    # With a cost model trusted in absolute terms: a budget whose modelled full iteration exceeds `guard` x
+    # the strictest TBT SLO among clusters with traffic is cut (to `target`) before a stall is observed.
+    guard: float = 0.9
     # Largest relative step up per decision (down steps follow the cost model, at least one tile).
     max_grow: float = 0.5
     # Intervals to wait after a change before growing again / shrinking again.
@@ -99,6 +102,8 @@ class ControllerConfig:
             )
         if not 0 < self.slack < self.violate:
             raise ValueError("hysteresis needs 0 < slack < violate")
+        if not 0 < self.target < self.guard:
+            raise ValueError("budget targets need 0 < target < guard")
         if self.raise_memory < 0:
             raise ValueError(f"raise_memory must be >= 0, got {self.raise_memory}")
 

@@ -44,3 +44,15 @@ def make_settings(budget: int = 512, replicas: int = 1, **clusters: Knobs) -> Se
 def make_snapshot(t: float = 0.0, **clusters: dict) -> Snapshot:
     """make_snapshot(chat=dict(tbt_p99=0.2, running=4), summarization=dict(...))."""
     return Snapshot(time=t, clusters={n: ClusterSnapshot(name=n, **v) for n, v in clusters.items()})
+
+
+def make_profile(**coefficients: float):
+    """A cost model as `stallfree profile` fits it (trusted in absolute terms), with the shape of a 2-core
+    CPU's: about 2.6 ms per prefill token, 4.4 ms per decode; any coefficient can be overridden."""
+    from stallfree.bench.costmodel import CostModel as BenchCostModel
+    from stallfree.operator.controller.cost_model import ProfiledCostModel
+
+    base = dict(const=0.06, prefill_tokens=2.6e-3, decode_tokens=4.4e-3, prefill_attn=1.7e-6,
+                decode_attn=2e-5, prefill_chunks=0.015)  # fmt: skip
+    base.update(coefficients)
+    return ProfiledCostModel(BenchCostModel(base))
