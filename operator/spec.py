@@ -140,11 +140,28 @@ class Budget(_Model):
         return self
 
 
+class CostModelSpec(_Model):
+    """Seconds per iteration, fitted on the serving hardware: the coefficients of a `stallfree profile`
+    cost_model.json under the CRD's names (const, prefill_tokens -> prefillTokens, ...)."""
+
+    const: float = Field(gt=0)
+    prefill_tokens: float = Field(0.0, alias="prefillTokens", ge=0)
+    decode_tokens: float = Field(0.0, alias="decodeTokens", ge=0)
+    prefill_attn: float = Field(0.0, alias="prefillAttn", ge=0)
+    decode_attn: float = Field(0.0, alias="decodeAttn", ge=0)
+    prefill_chunks: float = Field(0.0, alias="prefillChunks", ge=0)
+
+    def coefficients(self) -> dict[str, float]:
+        """Under the profiler's feature names."""
+        return self.model_dump(by_alias=False)
+
+
 class ControllerSpec(_Model):
     enabled: bool = True
     interval_seconds: int = Field(15, alias="intervalSeconds", ge=1)
     window_seconds: int = Field(60, alias="windowSeconds", ge=5)
     prometheus_url: str | None = Field(None, alias="prometheusUrl")
+    cost_model: CostModelSpec | None = Field(None, alias="costModel")
 
 
 class Admission(_Model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stallfree.operator.controller.cost_model import BUILTIN, CostModel, from_coefficients
 from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Knobs, Slo
 from stallfree.operator.spec import SarathiSpec
 
@@ -19,6 +20,7 @@ class LoopInputs:
     window_s: float
     initial_budget: int
     initial_replicas: int
+    model: CostModel = BUILTIN  # spec.controller.costModel's profile, else the built-in shape
 
 
 def cluster_specs(spec: SarathiSpec) -> tuple[ClusterSpec, ...]:
@@ -72,4 +74,5 @@ def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
         window_s=float(ctl.window_seconds),
         initial_budget=b.initial,
         initial_replicas=spec.replica_count(),
+        model=BUILTIN if ctl.cost_model is None else from_coefficients(ctl.cost_model.coefficients()),
     )

@@ -3,7 +3,8 @@
 The controller never trusts a model's absolute scale: it multiplies the prediction by a calibration factor
 (observed P99 TBT / predicted iteration time at the current budget), so the model only has to get the shape
 right — how much longer an iteration gets per extra prefill token. A profile fitted by `stallfree profile`
-(stallfree.bench) is used when given; otherwise a conservative built-in linear model. A profile fitted on
+(stallfree.bench) is used when given (a file, or its coefficients in spec.controller.costModel);
+otherwise a conservative built-in linear model. A profile fitted on
 the serving hardware is also trusted in absolute terms (`absolute`): the budget is then kept where a full
 iteration meets the strictest TBT SLO among the clusters with traffic, before any stall is observed.
 """
@@ -97,6 +98,24 @@ class ProfiledCostModel:
             "decode_attn": d * (c + 1) if d > 0 else 0.0,
         }
         return float(self.fit.predict(features))  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class Coefficients:
+    """A profile's fitted coefficients by feature name: what ProfiledCostModel needs of a fit, without the
+    profiler (and numpy) installed, as in the operator's image."""
+
+    values: dict[str, float]
+
+    def predict(self, features: dict[str, float]) -> float:
+        return sum(c * features.get(k, 0.0) for k, c in self.values.items())
+
+
+def from_coefficients(values: dict[str, float]) -> ProfiledCostModel:
+    """A profile given by its coefficients (a SarathiDeployment's spec.controller.costModel)."""
+    if not values.get("const", 0.0) > 0:
+        raise ValueError("a cost model needs const (seconds per iteration) > 0")
+    return ProfiledCostModel(Coefficients({k: float(v) for k, v in values.items()}))
 
 
 # Built in: measured shape of SmolLM2-135M on a 2-core CPU, padded up (conservative: longer iterations

@@ -155,7 +155,7 @@ def step_resource(
             inp.specs, inp.config, inp.initial_budget, inp.initial_replicas,
             source=PrometheusSource(url, fleet_selector(ns, name), max_age_s=max(30.0, 3 * inp.interval_s)),
             apply=PodApplier(memo.reconciler, ns, name, spec), window_s=inp.window_s,
-            min_window_s=min(inp.window_s, max(10.0, 2 * inp.interval_s)),
+            min_window_s=min(inp.window_s, max(10.0, 2 * inp.interval_s)), model=inp.model,
         )  # fmt: skip
         loop.adopt(settings_from_status(body.get("status"), spec.replica_count(), loop.settings))
         slot = _Slot(gen, loop, now)

@@ -101,6 +101,21 @@ class CostModel:
         return cls({k: float(v) for k, v in coef.items()}, meta)
 
 
+def spec_snippet(coefficients: dict[str, float]) -> str:
+    """The fit as a SarathiDeployment's spec.controller.costModel (YAML), for the budget controller to plan
+    with in seconds (zero coefficients are the CRD's defaults and left out)."""
+
+    def camel(name: str) -> str:
+        head, *rest = name.split("_")
+        return head + "".join(w.title() for w in rest)
+
+    lines = ["spec:", "  controller:", "    costModel:  # fitted on the hardware that serves"]
+    lines += [f"      {camel(k)}: {v:.6g}" for k, v in coefficients.items() if v > 0]
+    if not coefficients.get("const", 0.0) > 0:
+        lines.append("      # this fit has no per-iteration constant; the controller needs const > 0")
+    return "\n".join(lines)
+
+
 def _design(rows: Sequence[dict[str, float]], names: Sequence[str]) -> np.ndarray:
     return np.array([[r.get(k, 0.0) for k in names] for r in rows], dtype=np.float64)
 

@@ -188,6 +188,11 @@ def _plot(points: list[dict], out: Path) -> Path:
     return path
 
 
+def _print_saved(out: Path, png: Path, model: costmodel.CostModel) -> None:
+    print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
+    print(f"\nfor the budget controller, in the SarathiDeployment:\n{costmodel.spec_snippet(model.coefficients)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="stallfree profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 title="\ndecode-only iterations",
             )
         )
-    print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
+    _print_saved(out, png, model)
     return 0
 
 
@@ -333,7 +338,7 @@ def from_log(args: argparse.Namespace) -> int:
         )
     else:
         print(f"\nfit on {fit_error['num_train']} iterations; too few to hold any out")
-    print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
+    _print_saved(out, png, model)
     return 0
 
 

@@ -68,7 +68,7 @@ class LocalRun:
             apply=self._apply,
             window_s=inp.window_s,
             min_window_s=min(inp.window_s, max(5.0, 2 * inp.interval_s)),
-            model=load_cost_model(args.cost_model),
+            model=inp.model if args.cost_model is None else load_cost_model(args.cost_model),
         )
         self.metrics = ControllerMetrics()
         self.loop.observers.append(self.metrics.observe)

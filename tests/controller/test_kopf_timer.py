@@ -123,6 +123,22 @@ def test_restart_continues_from_status_and_holds_without_prometheus(fleet):
     assert memo.reconciler.applied == []
 
 
+def test_a_profile_in_the_spec_reaches_the_loop():
+    """spec.controller.costModel is what the operator's loop plans with (trusted in seconds)."""
+    coeffs = {"const": 0.05, "prefillTokens": 2e-3, "decodeTokens": 4e-3, "decodeAttn": 2e-5}
+    b = body()
+    b["spec"]["controller"]["costModel"] = coeffs
+    memo = types.SimpleNamespace(reconciler=FakeReconciler())
+    cfg = OperatorConfig(prometheus_url="http://127.0.0.1:1")
+    step_resource(b, Patch(), logging.getLogger("kopf.test"), memo, cfg, now=0.0)
+    model = memo.budget_controller.loop.model
+    assert model.absolute
+    assert model.iteration_time(256, 10, 100) == pytest.approx(0.05 + 256 * 2e-3 + 10 * 4e-3 + 10 * 101 * 2e-5)
+    plain = types.SimpleNamespace(reconciler=FakeReconciler())
+    step_resource(body(), Patch(), logging.getLogger("kopf.test"), plain, cfg, now=0.0)
+    assert not plain.budget_controller.loop.model.absolute
+
+
 def test_settings_from_status_falls_back():
     from stallfree.operator.controller.types import Knobs, Settings
 

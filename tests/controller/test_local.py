@@ -71,6 +71,14 @@ BAD = [
     ),
     (lambda d: d["spec"]["controller"].update(windowSeconds=1), "windowSeconds"),
     (
+        lambda d: d["spec"]["controller"].update(costModel={"const": 0.0, "prefillTokens": 0.002}),
+        "spec.controller.costModel.const: Input should be greater than 0",
+    ),
+    (
+        lambda d: d["spec"]["controller"].update(costModel={"const": 0.05, "decodeAttn": -1.0}),
+        "spec.controller.costModel.decodeAttn: -1.0 is less than the minimum of 0",
+    ),
+    (
         lambda d: d["spec"]["slo"].update(ttftP99Seconds=0.1, tbtP99Seconds=0.2),
         "slo.ttftP99Seconds must be at least",
     ),

@@ -135,6 +135,26 @@ INVALID = [
         _with("controller.prometheusUrl", "prometheus:9090"),
         "spec.controller.prometheusUrl",
     ),
+    (
+        "cost-model-without-const",
+        _with("controller.costModel", {"prefillTokens": 0.002}),
+        "spec.controller.costModel.const",
+    ),
+    (
+        "cost-model-const-zero",
+        _with("controller.costModel", {"const": 0}),
+        "spec.controller.costModel.const",
+    ),
+    (
+        "cost-model-negative-coefficient",
+        _with("controller.costModel", {"const": 0.05, "decodeAttn": -1e-6}),
+        "spec.controller.costModel.decodeAttn",
+    ),
+    (
+        "cost-model-unknown-coefficient",
+        _with("controller.costModel", {"const": 0.05, "prefill_tokens": 0.002}),
+        'unknown field "spec.controller.costModel.prefill_tokens"',
+    ),
     ("memory-not-quantity", _with("resources.memory", "lots"), "spec.resources.memory"),
     (
         "toleration-exists-with-value",
@@ -202,6 +222,13 @@ def test_api_server_fills_defaults(custom_api):
     assert spec["engine"]["policy"] == "sarathi" and spec["engine"]["port"] == 8000
     assert spec["resources"]["gpuResourceName"] == "nvidia.com/gpu"
     assert spec["controller"] == {"enabled": True, "intervalSeconds": 15, "windowSeconds": 60}
+
+
+def test_api_server_keeps_a_cost_model(custom_api):
+    coeffs = {"const": 0.0588, "prefillTokens": 0.00257, "decodeTokens": 0.00441, "prefillAttn": 1.73e-06,
+              "decodeAttn": 1.97e-05, "prefillChunks": 0.0146}  # fmt: skip
+    created = _create(custom_api, _with("controller.costModel", coeffs))
+    assert created["spec"]["controller"]["costModel"] == coeffs
 
 
 @pytest.mark.parametrize("example", ["sarathideployment.yaml", "multi-cluster.yaml"])
