@@ -190,7 +190,9 @@ def _plot(points: list[dict], out: Path) -> Path:
 
 def _print_saved(out: Path, png: Path, model: costmodel.CostModel) -> None:
     print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
-    print(f"\nfor the budget controller, in the SarathiDeployment:\n{costmodel.spec_snippet(model.coefficients)}")
+    print(
+        f"\nfor the budget controller, in the SarathiDeployment:\n{costmodel.spec_snippet(model.coefficients)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

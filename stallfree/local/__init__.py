@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer token for /admin/v1/*; without one the admin API is open on loopback, and a random "
         "token is made (and printed) when --host is not a loopback address",
     )  # fmt: skip
-    p.add_argument("--cost-model", metavar="JSON", default=None, help="a `stallfree profile` cost model file (takes the place of the spec's controller.costModel)")
+    p.add_argument(
+        "--cost-model",
+        metavar="JSON",
+        default=None,
+        help="a `stallfree profile` cost model file (takes the place of the spec's controller.costModel)",
+    )
     p.add_argument(
         "--no-controller", action="store_true", help="serve with the spec's settings, never retune"
     )

@@ -133,7 +133,9 @@ def test_a_profile_in_the_spec_reaches_the_loop():
     step_resource(b, Patch(), logging.getLogger("kopf.test"), memo, cfg, now=0.0)
     model = memo.budget_controller.loop.model
     assert model.absolute
-    assert model.iteration_time(256, 10, 100) == pytest.approx(0.05 + 256 * 2e-3 + 10 * 4e-3 + 10 * 101 * 2e-5)
+    assert model.iteration_time(256, 10, 100) == pytest.approx(
+        0.05 + 256 * 2e-3 + 10 * 4e-3 + 10 * 101 * 2e-5
+    )
     plain = types.SimpleNamespace(reconciler=FakeReconciler())
     step_resource(body(), Patch(), logging.getLogger("kopf.test"), plain, cfg, now=0.0)
     assert not plain.budget_controller.loop.model.absolute
