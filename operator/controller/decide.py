@@ -404,16 +404,18 @@ def decide(
                 return k
         return 1
 
-    def drain_bound(name: str) -> int | None:
+    def drain_bound(name: str, budget: int | None = None) -> int | None:
         """With a model trusted in absolute terms: the queue of `name` that its share of the modelled
-        prefill capacity (what higher-priority clusters leave) serves within `target` x its TTFT SLO. A
-        longer queue only holds requests that will miss it. None without such a model or arrivals."""
+        prefill capacity at `budget` (the current one by default; what higher-priority clusters leave)
+        serves within `target` x its TTFT SLO. A longer queue only holds requests that will miss it. None
+        without such a model or arrivals."""
         c = snap.cluster(name)
         if not absolute or c.arrival_rate <= 0 or c.prefill_token_rate <= 0:
             return None
         spec = next(s for s in specs if s.name == name)
         above = sum(snap.cluster(s.name).prefill_token_rate for s in specs if s.priority > spec.priority)
-        share = r.capacity - above / max(settings.replicas, 1)
+        capacity = r.capacity if budget is None else prefill_capacity(model, budget, r.n_decode, r.context)
+        share = capacity - above / max(settings.replicas, 1)
         mean_prompt = c.prefill_token_rate / c.arrival_rate
         if mean_prompt < 1:  # less than a token a request: no meaningful rate yet
             return None
@@ -564,8 +566,13 @@ def decide(
             if nb > b:
                 if st.intervals_since_change < cfg.grow_cooldown:
                     # The queue bound of a cluster shed for want of a larger budget comes back a step
-                    # while the budget grows, or its arrivals go on failing for a reason that has gone.
+                    # while the budget grows, or its arrivals go on failing for a reason that has gone;
+                    # with a trusted model, only as far as the larger budget's capacity drains in time
+                    # (on hardware where capacity hardly grows with the budget, not at all).
                     queue = _reopen_target(snap, settings, specs, r.pressure)
+                    bound = drain_bound(queue[0], nb) if queue is not None else None
+                    if queue is not None and bound is not None and queue[1] > max(bound, cfg.min_max_waiting):
+                        queue = None
                     if queue is not None and st.intervals_since_scale >= cfg.scale_cooldown:
                         name, mw = queue
                         return out(capped.with_knobs(name, max_waiting=mw), RESTORE,

@@ -15,7 +15,7 @@ from stallfree.bench.costmodel import CostModel as BenchCostModel
 from stallfree.operator.controller import State, decide
 from stallfree.operator.controller.cost_model import LinearCostModel, ProfiledCostModel
 from stallfree.operator.controller.decide import initial_settings
-from stallfree.operator.controller.types import LOWER, RAISE, SHED, Slo
+from stallfree.operator.controller.types import HOLD, LOWER, RAISE, RESTORE, SHED, Slo
 
 SPECS = make_specs()
 PROFILE = make_profile()
@@ -117,6 +117,36 @@ def test_shedding_sets_the_queue_bound_that_drains_within_ttft_in_one_step():
     shape_only = LinearCostModel(base=0.1, per_prefill=1e-3, per_decode=0.0, per_decode_context=0.0)
     d = decide(make_snapshot(summarization=late), s, State(), SPECS, cfg, shape_only)
     assert d.action == SHED and d.settings.knobs("summarization").max_waiting == 16, d.reason
+
+
+def test_a_shed_queue_reopens_only_as_far_as_the_larger_budget_drains_in_time():
+    """While the budget grows, a shed queue bound comes back a step, but with a trusted model only to a
+    queue the larger budget's prefill capacity serves within target x the TTFT SLO (live run: reopened 10
+    -> 20 at budget 896, where the CPU's capacity had hardly grown; TTFT went from 1.38x to 1.61x and the
+    next three intervals shed again). A shape-only model reopens as before."""
+    specs = make_specs(summ_slo=Slo(ttft_p99=30.0, tbt_p99=5.0, scheduling_delay_p50=15.0))
+    cfg = make_config()
+    flat = LinearCostModel(base=0.1, per_prefill=1e-3, per_decode=0.0, per_decode_context=0.0, absolute=True)
+    snap = make_snapshot(
+        summarization=dict(tbt_p99=0.5, ttft_p99=40.0, running=2, waiting=2, arrival_rate=0.5,
+                           prefill_token_rate=800, mean_context=1600, rejection_rate=0.3)
+    )  # fmt: skip
+
+    def after_a_raise(max_waiting: int, model):
+        s = initial_settings(specs, cfg, 256, 1).with_knobs("summarization", max_waiting=max_waiting)
+        raised = decide(snap, s, State(), specs, cfg, model)
+        assert raised.action == RAISE, raised.reason
+        return decide(snap, raised.settings, raised.state, specs, cfg, model)
+
+    # Capacity at the next budget is at most 2046 / 2.146 = 953 tok/s: 953 * 0.85 * 30 / 1600 = 15.2
+    # prompts, a bound of at most 14. Shed to 2, the step back to 4 fits; shed to 8, 16 does not.
+    d = after_a_raise(2, flat)
+    assert d.action == RESTORE and d.settings.knobs("summarization").max_waiting == 4, d.reason
+    d = after_a_raise(8, flat)
+    assert d.action == HOLD and d.settings.knobs("summarization").max_waiting == 8, d.reason
+    shape_only = LinearCostModel(base=0.1, per_prefill=1e-3, per_decode=0.0, per_decode_context=0.0)
+    d = after_a_raise(8, shape_only)
+    assert d.action == RESTORE and d.settings.knobs("summarization").max_waiting == 16, d.reason
 
 
 def test_a_decode_bound_running_cap_comes_in_one_step():
