@@ -152,7 +152,9 @@ class ClusterSnapshot:
     arrival_rate: float = 0.0  # requests per second
     prefill_token_rate: float = 0.0  # prompt tokens arriving per second
     rejection_rate: float = 0.0  # 429s per second
-    mean_context: float = 0.0  # mean prompt + output tokens of running requests (cost model input)
+    # Mean prompt tokens of the requests that arrived in the window (prefill-token rate / arrival rate; 0
+    # with no arrivals): the cost model's context, and the feedforward's longest prompt present.
+    mean_context: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
