@@ -570,9 +570,10 @@ def decide(
                     # with a trusted model, only as far as the larger budget's capacity drains in time
                     # (on hardware where capacity hardly grows with the budget, not at all).
                     queue = _reopen_target(snap, settings, specs, r.pressure)
-                    bound = drain_bound(queue[0], nb) if queue is not None else None
-                    if queue is not None and bound is not None and queue[1] > max(bound, cfg.min_max_waiting):
-                        queue = None
+                    if queue is not None:
+                        bound = drain_bound(queue[0], nb)
+                        if bound is not None and queue[1] > max(bound, cfg.min_max_waiting):
+                            queue = None
                     if queue is not None and st.intervals_since_scale >= cfg.scale_cooldown:
                         name, mw = queue
                         return out(capped.with_knobs(name, max_waiting=mw), RESTORE,
