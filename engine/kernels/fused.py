@@ -2,7 +2,8 @@
 
 Each kernel is a wrapper taking and returning torch tensors, a Triton kernel (in `_triton_fused`) and a
 pure-torch `*_ref` function with the same semantics, which the tests hold the kernels to. Inputs may be
-bfloat16, float16 or float32; the kernels compute in float32 and round once per stored value.
+bfloat16, float16 or float32; the kernels compute in float32 and round once per stored value (except
+add_rmsnorm, which rounds where the model's RMSNorm does).
 
 The wrappers only allocate (`torch.empty`), check shapes and launch: no host synchronisation, no `.item()`,
 so they can be captured in CUDA graphs. Launch each once before capture: the first launch compiles.
