@@ -23,16 +23,38 @@ class LoadedModel:
     name: str
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    load_format: str = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load a Llama-family model and its tokenizer.
 
     path: None for the bundled SmolLM2-135M-Instruct; a `.gguf` file; or a Hugging Face folder with
     config.json, *.safetensors and tokenizer.json. Nothing is downloaded.
+    load_format="dummy": random weights (seeded) of the shape `path` names: a shape from
+    `stallfree.engine.model.dummy.SHAPES` (default smollm2-135m), an HF config.json or a folder holding one;
+    built on `device` directly. max_model_len caps the dummy model's RoPE tables.
     Raises FileNotFoundError when the path does not exist or lacks files, ValueError for unsupported
     architectures, quantization types or tokenizers.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "dummy":
+        from stallfree.engine.model.dummy import load_dummy  # noqa: PLC0415
+
+        spec = "smollm2-135m" if path is None else path
+        model, tokenizer, config = load_dummy(spec, dtype, device, seed=seed, max_model_len=max_model_len)
+        src = Path(str(spec))  # a shape name, a folder, or a config .json (named after its folder)
+        label = src.resolve().parent.name if src.suffix == ".json" else src.name
+        return LoadedModel(model, tokenizer, config, f"dummy-{label}")
     if path is None:
         from stallfree.engine.model.gguf_loader import load_gguf
 

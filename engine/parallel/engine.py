@@ -48,7 +48,10 @@ class ParallelLLMEngine(LLMEngine):
         self.executor: ParallelExecutor | None = None
         if loaded is None:  # NOTE: the leader keeps the full weights on the CPU; ranks copy their slices
             dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-            loaded = load_model(config.model, dtype=dtype, device="cpu")
+            loaded = load_model(
+                config.model, dtype=dtype, device="cpu", load_format=config.load_format, seed=config.seed,
+                max_model_len=config.max_model_len,
+            )  # fmt: skip
         try:
             super().__init__(config, loaded)
         except BaseException:
@@ -78,6 +81,7 @@ class ParallelLLMEngine(LLMEngine):
             model_config=mc,
             state=share_weights(self.loaded.model),
             model_path=self.config.model,
+            load_format=self.config.load_format,
             block_size=cache.block_size,
             attention_backend=self.config.attention_backend,
             kv_cache_bytes=None if cache.kv_cache_memory_gb is None else cache.kv_cache_memory_gb * 2**30,
