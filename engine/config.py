@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 POLICIES = ("sarathi", "vllm", "orca", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +115,13 @@ class ParallelConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # path to a .gguf or a Hugging Face folder; None = bundled default
+    # "auto": read the weights at `model`; "dummy": random weights of the shape `model` names (a shape in
+    # stallfree.engine.model.dummy.SHAPES, or an HF config.json), built on the device (benchmarks).
+    load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
-    attention_backend: str = "auto"  # auto, torch, flashinfer
+    attention_backend: str = "auto"  # auto, torch, triton, flashinfer (see engine.resolve_attention_backend)
+    cuda_graphs: bool = True  # CUDA: replay decode iterations from graphs captured at start-up
     max_model_len: int | None = None  # None = the model's context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -125,7 +131,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}"
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
             )

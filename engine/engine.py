@@ -8,6 +8,7 @@ no Prometheus.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -16,6 +17,7 @@ import torch
 
 from stallfree.engine.block_manager import BlockManager, blocks_needed
 from stallfree.engine.config import EngineConfig, SchedulerTunables
+from stallfree.engine.cuda_runner import CudaModelRunner
 from stallfree.engine.model.loader import LoadedModel, load_model
 from stallfree.engine.model_runner import ModelRunner
 from stallfree.engine.output_processor import OutputProcessor
@@ -45,6 +47,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend `name` stands for on this device and dtype; ValueError for impossible combinations.
+
+    auto: on CUDA in bf16/fp16 the Triton kernels (they need no nvcc and compile in seconds); in fp32 the
+    torch backend (exact; FlashInfer has no fp32 kernels); on CPU the torch backend.
+    """
+    if name == "auto":
+        if device.type != "cuda" or dtype == torch.float32:
+            return "torch"
+        from stallfree.engine.kernels.fused import triton_available  # noqa: PLC0415
+
+        if triton_available():
+            return "triton"
+        logger.warning("triton is not installed: the torch attention backend runs on CUDA (slower)")
+        return "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
+        return name  # Triton's interpreter runs the kernels on CPU tensors: slow, for tests of the CUDA path
+    if name in ("triton", "flashinfer") and device.type != "cuda":
+        raise ValueError(f"the {name} attention backend needs a CUDA device; use attention_backend='torch'")
+    if name == "flashinfer" and dtype == torch.float32:
+        raise ValueError(
+            "FlashInfer has no float32 kernels: use dtype bfloat16/float16 or attention_backend='torch'"
+        )
+    return name
+
+
 class LLMEngine:
     """Owns the scheduler, the model runner and the request table."""
 
@@ -52,7 +80,14 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.loaded = loaded or load_model(config.model, dtype=self.dtype, device=self.device)
+        self.loaded = loaded or load_model(
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+            max_model_len=config.max_model_len,
+        )
         mc = self.loaded.config
         self.model_config = mc
         self.tokenizer = self.loaded.tokenizer
@@ -80,8 +115,53 @@ class LLMEngine:
             self.runner.attention.name,
         )
 
-    def _make_runner(self) -> ModelRunner:
-        """The in-process runner; the parallel engine overrides this with its worker executor."""
+    def _make_runner(self) -> ModelRunner | CudaModelRunner:
+        """The in-process runner; the parallel engine overrides this with its worker executor.
+
+        On CUDA the Triton (default) or FlashInfer backend runs in `CudaModelRunner`, warmed up (kernels
+        compiled, decode graphs captured) before the engine is ready; if `auto` chose it and it cannot
+        build its kernels, the engine says so once and uses the torch backend instead.
+        """
+        requested = self.config.attention_backend
+        backend = resolve_attention_backend(requested, self.device, self.dtype)
+        if backend in ("triton", "flashinfer"):
+            try:
+                runner = self._cuda_runner(backend)
+                logger.info("CUDA runner warmed up in %.1f s (%s)", runner.warm_up(), backend)
+                return runner
+            except Exception as e:  # noqa: BLE001 - any kernel build failure: fall back, loudly, once
+                if requested != "auto":
+                    raise
+                logger.warning(
+                    "the %s attention backend could not build its kernels (%s: %s); using the torch backend",
+                    backend, type(e).__name__, e,
+                )  # fmt: skip
+                self.loaded.model.fused_kernels = False  # type: ignore[assignment]
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        return self._torch_runner()
+
+    def _cuda_runner(self, backend: str) -> CudaModelRunner:
+        mc = self.model_config
+        return CudaModelRunner(
+            self.loaded.model,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            num_blocks=self.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+            kv_dtype=self.dtype,
+            device=self.device,
+            attention_backend=backend,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            seed=self.config.seed,
+            cuda_graphs=self.config.cuda_graphs,
+        )
+
+    def _torch_runner(self) -> ModelRunner:
         mc = self.model_config
         return ModelRunner(
             self.loaded.model,
@@ -93,7 +173,7 @@ class LLMEngine:
             block_size=self.config.cache.block_size,
             kv_dtype=self.dtype,
             device=self.device,
-            attention_backend=self.config.attention_backend,
+            attention_backend="torch",
             stop_token_ids=self.tokenizer.stop_token_ids,
             seed=self.config.seed,
         )

@@ -19,6 +19,18 @@ for p in (_TESTS, _TESTS / "engine"):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels (stallfree.engine.kernels) are checked through Triton's interpreter on CPU
+# tensors. Triton reads this when a kernel is defined, so it must be set before anything imports them.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The bundled SmolLM2-135M-Instruct, loaded once per session in float32 (CPU)."""

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stallfree.engine.kernels import fused
 from stallfree.engine.model.config import Llama3RopeScaling, LlamaConfig
 
 
@@ -129,6 +130,19 @@ class LlamaAttention(nn.Module):
         out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))  # (T, C)
 
+    def forward_fused(
+        self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding, attn: AttentionFn
+    ) -> Tensor:
+        """The CUDA path: q and k rotated in place by one kernel, as views of the fused projection."""
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        fused.rope_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
+        out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, self.q_size))
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
@@ -155,6 +169,24 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        positions: Tensor,
+        rotary: RotaryEmbedding,
+        attn: AttentionFn,
+    ) -> tuple[Tensor, Tensor]:
+        """The CUDA path: the residual add rides in the RMSNorm kernels. Returns (branch output, residual);
+        the caller adds them in the next norm. Same arithmetic as `forward`, fewer kernels."""
+        h, residual = fused.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn.forward_fused(h, positions, rotary, attn)
+        h, residual = fused.add_rmsnorm(
+            x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+        )
+        mlp = self.mlp
+        return mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(h))), residual
 
 
 class LlamaModel(nn.Module):
@@ -184,6 +216,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config)
 
+    # Set by the CUDA runner: norms, RoPE and SiLU-and-mul through the fused Triton kernels.
+    fused_kernels: bool = False
+
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """Run the decoder over one flattened ragged batch.
 
@@ -193,6 +228,11 @@ class LlamaForCausalLM(nn.Module):
         config.max_position_embeddings. Returns hidden states (T, C) after the final norm.
         """
         x = self.model.embed_tokens(input_ids)  # (T, C)
+        if self.fused_kernels:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn)
+            return fused.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
         cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, float32, shared by all layers
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # cast once, not per layer
         for layer in self.model.layers:

@@ -1,0 +1,191 @@
+"""Attention for the CUDA runner: the Triton kernels (default) or FlashInfer, fed one `DeviceBatch`.
+
+Both write the new tokens' K/V into the cache pages first, then attend: decode rows through a paged decode
+kernel, prefill chunks through a paged prefill kernel (bottom-right causal over the cached history), or, for
+a chunk with nothing cached before it, through torch's fused causal SDPA on the chunk's own K/V.
+Neither synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stallfree.engine.attention import KVCache
+from stallfree.engine.cuda_batch import HostBatch
+from stallfree.engine.kernels.paged_attention import decode_splits, paged_decode, paged_prefill
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBatch:
+    """The device side of a `HostBatch` (int64 tensors), plus the host facts that size kernel grids."""
+
+    host: HostBatch
+    slot_mapping: torch.Tensor  # (T,)
+    decode_lens: torch.Tensor  # (D,)
+    decode_tables: torch.Tensor  # (D, P)
+    decode_splits: int
+    prefill_q_starts: torch.Tensor  # (C,)
+    prefill_q_lens: torch.Tensor
+    prefill_ctx_lens: torch.Tensor
+    prefill_tables: torch.Tensor  # (C, P')
+
+
+def store_kv(cache: KVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    from stallfree.engine.kernels.fused import store_kv as store  # noqa: PLC0415
+
+    kf, vf = cache.flat(layer)
+    store(k, v, kf, vf, slots)
+
+
+class TritonAttention:
+    """Paged decode and prefill kernels of stallfree.engine.kernels.paged_attention."""
+
+    name = "triton"
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        dev = cache.k[0].device
+        # Off CUDA (Triton's interpreter, in tests) a nominal 4 SMs keeps the split counts small.
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+
+    def splits(self, padded_batch: int) -> int:
+        return decode_splits(padded_batch, self.num_kv_heads, self.num_sms)
+
+    def decode_fn(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int):
+        """The attention of a decode-only batch (what the CUDA graphs capture)."""
+        cache = self.cache
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            store_kv(cache, layer, slots, k, v)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, nh, hd)
+            return paged_decode(q, cache.k[layer], cache.v[layer], tables, lens, out, splits)
+
+        return attend
+
+    def bind(self, batch: DeviceBatch):
+        cache, host = self.cache, batch.host
+        D = host.num_decodes
+        # NOTE: chunks with nothing cached before them attend only to themselves: torch's fused causal SDPA
+        # (FlashAttention) on their own K/V; the others read their history from the pages.
+        first = [i for i, c in enumerate(host.prefill_ctx_lens.tolist()) if c == 0]
+        fresh = [(int(host.prefill_q_starts[i]), int(host.prefill_q_lens[i])) for i in first]
+        paged = len(first) < len(host.prefill_ctx_lens)
+        if paged and first:
+            keep = np.flatnonzero(host.prefill_ctx_lens > 0)
+            sel = torch.from_numpy(keep).to(batch.prefill_q_starts.device, non_blocking=True)
+            starts, lens = batch.prefill_q_starts[sel], batch.prefill_q_lens[sel]
+            ctxs, tables = batch.prefill_ctx_lens[sel], batch.prefill_tables[sel]
+            max_q = int(host.prefill_q_lens[keep].max())
+        elif paged:
+            starts, lens, ctxs, tables = (
+                batch.prefill_q_starts, batch.prefill_q_lens, batch.prefill_ctx_lens, batch.prefill_tables
+            )  # fmt: skip
+            max_q = int(host.prefill_q_lens.max())
+        group = self.num_heads // self.num_kv_heads
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            store_kv(cache, layer, batch.slot_mapping, k, v)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
+            kc, vc = cache.k[layer], cache.v[layer]
+            if D:
+                paged_decode(
+                    q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], batch.decode_splits
+                )
+            for s, n in fresh:
+                out[s : s + n] = _causal_sdpa(q[s : s + n], k[s : s + n], v[s : s + n], group)
+            if paged:
+                paged_prefill(q, kc, vc, tables, starts, lens, ctxs, max_q, out)
+            return out
+
+        return attend
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
+    """Causal attention of one chunk over itself: q (n, nh, hd), k/v (n, nkv, hd) -> (n, nh, hd)."""
+    if group > 1:  # FlashAttention wants as many K/V heads as query heads: a cheap copy of one chunk's K/V
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True
+    )  # (1, nh, n, hd)
+    return o[0].transpose(0, 1)
+
+
+class FlashInferAttention:
+    """FlashInfer: decode rows through its paged decode kernel, prefill chunks through its paged prefill
+    kernel, both planned once per iteration from host arrays (nothing is read back from the GPU to plan)."""
+
+    name = "flashinfer"
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        import flashinfer  # noqa: PLC0415 - optional, CUDA only
+
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        dev = cache.k[0].device
+        self._ws_decode = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+        self._ws_prefill = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._ws_decode, kv_layout="NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._ws_prefill, kv_layout="NHD")
+
+    def splits(self, padded_batch: int) -> int:
+        return 1
+
+    def _paged(self, lens: np.ndarray, tables: np.ndarray, device: torch.device):
+        """FlashInfer's (indptr, indices, last_page_len) for requests with `lens` keys: indptr and
+        last_page_len stay on the host (plan reads them there), indices go to the device."""
+        bs = self.cache.block_size
+        pages = -(-lens // bs)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        indices = np.concatenate([tables[i, :p] for i, p in enumerate(pages)]).astype(np.int32)
+        last = (lens - (pages - 1) * bs).astype(np.int32)
+        dev_indices = torch.from_numpy(indices).pin_memory().to(device, non_blocking=True)
+        return torch.from_numpy(indptr), dev_indices, torch.from_numpy(last)
+
+    def bind(self, batch: DeviceBatch):
+        cache, host = self.cache, batch.host
+        D, dtype, dev = host.num_decodes, cache.k[0].dtype, cache.k[0].device
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, cache.block_size)
+        if D:
+            indptr, indices, last = self._paged(host.decode_lens, host.decode_tables, dev)
+            self._decode.plan(indptr, indices, last, *shape, q_data_type=dtype, kv_data_type=dtype)
+        C = len(host.prefill_q_lens)
+        if C:
+            kv_lens = host.prefill_ctx_lens + host.prefill_q_lens
+            indptr, indices, last = self._paged(kv_lens, host.prefill_tables, dev)
+            qo = np.concatenate([[0], np.cumsum(host.prefill_q_lens)]).astype(np.int32)
+            self._prefill.plan(
+                torch.from_numpy(qo), indptr, indices, last, *shape, causal=True,
+                q_data_type=dtype, kv_data_type=dtype,
+            )  # fmt: skip
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            store_kv(cache, layer, batch.slot_mapping, k, v)
+            kv = (cache.k[layer], cache.v[layer])
+            parts = []
+            if D:
+                parts.append(self._decode.run(q[:D].contiguous(), kv))
+            if C:
+                parts.append(self._prefill.run(q[D:].contiguous(), kv))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return attend
+
+
+def make_cuda_attention(backend: str, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The named CUDA attention ("triton" or "flashinfer"); ValueError when it cannot serve this model."""
+    if backend == "flashinfer":
+        return FlashInferAttention(cache, num_heads, num_kv_heads, head_dim)
+    if backend == "triton":
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
+        return TritonAttention(cache, num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown CUDA attention backend {backend!r}")

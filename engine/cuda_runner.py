@@ -1,0 +1,261 @@
+"""The CUDA model runner: fused kernels, decode iterations replayed from CUDA graphs, one sync per iteration.
+
+On a GPU a step of a 7-8B model costs a few milliseconds, so launches and host synchronisations, not
+FLOPs, decide decode speed. This runner
+- lays the batch out on the host from the scheduler's integers and copies it to the GPU in one transfer
+  (stallfree.engine.cuda_batch), never reading anything back to plan;
+- runs the model with its fused kernels (add+RMSNorm, RoPE, SiLU-and-mul: stallfree.engine.kernels.fused)
+  and paged attention (stallfree.engine.cuda_attention);
+- replays decode-only iterations from CUDA graphs captured at start-up for padded batch sizes 1, 2, 4, 8,
+  16, 24, 32, 48, 64, ... up to max_num_seqs: padding rows write no K/V (slot -1) and attend to nothing;
+- runs hybrid and prefill iterations eagerly: with a prefill chunk of a few hundred tokens the GPU work
+  (GEMMs over every token) outlasts the host's launches, so there is little for a graph to save there
+  (docs/gpu.md has the measurement);
+- samples on the GPU and reads the sampled tokens back in one copy: the iteration's one synchronisation.
+
+The CPU path (and the torch attention backend on CUDA, the reference) keeps `ModelRunner`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from stallfree.engine.attention import KVCache
+from stallfree.engine.cuda_attention import DeviceBatch, make_cuda_attention
+from stallfree.engine.cuda_batch import HostBatch, Stager, host_batch
+from stallfree.engine.gpu_sampler import GpuSampler
+from stallfree.engine.model_runner import RunnerOutput
+from stallfree.engine.sampler import SampleRequest, SampleResult
+from stallfree.engine.sampling_params import SamplingParams
+from stallfree.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
+    """Padded decode batch sizes to capture: 1, 2, 4, 8, then steps of 8 to 32, of 16 to 128, of 32 on."""
+    sizes = [1, 2, 4, 8, *range(16, 33, 8), *range(48, 129, 16), *range(160, largest + 1, 32)]
+    cap = min(max_num_seqs, largest)
+    out = [s for s in sizes if s < cap]
+    return [*out, cap] if cap not in out else out
+
+
+class DecodeGraphs:
+    """CUDA graphs of whole decode iterations (model + logits), one per padded batch size.
+
+    The graphs read persistent device buffers (token ids, positions, KV slots, block tables, lengths); a
+    replay first fills them from pinned host mirrors with asynchronous copies.
+    """
+
+    def __init__(self, runner: CudaModelRunner, sizes: list[int], max_pages: int) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        dev = runner.device
+        n = self.sizes[-1]
+        self.host = {
+            "ids": torch.zeros(n, dtype=torch.int64, pin_memory=True),
+            "pos": torch.zeros(n, dtype=torch.int64, pin_memory=True),
+            "slots": torch.full((n,), -1, dtype=torch.int64, pin_memory=True),
+            "lens": torch.zeros(n, dtype=torch.int64, pin_memory=True),
+            "tables": torch.zeros((n, max_pages), dtype=torch.int64, pin_memory=True),
+        }
+        self.dev = {k: torch.zeros_like(v, device=dev) for k, v in self.host.items()}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied = torch.cuda.Event()
+
+    def padded(self, batch: int) -> int | None:
+        """The smallest captured size that holds `batch` decodes (None when none does)."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        r, d = self.runner, self.dev
+        attend = r.attention.decode_fn(
+            d["slots"][:size], d["tables"][:size], d["lens"][:size], r.splits(size)
+        )
+        hidden = r.model(d["ids"][:size], d["pos"][:size], attend)  # (size, C)
+        return r.model.compute_logits(hidden)  # (size, V) float32
+
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            self._fill_dummy(size)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(size)  # compiles the kernels for this shape outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def _fill_dummy(self, size: int) -> None:
+        for key, value in (("ids", 0), ("pos", 0), ("slots", -1), ("lens", 1), ("tables", 0)):
+            self.dev[key][:size].fill_(value)
+
+    def run(self, hb: HostBatch) -> torch.Tensor:
+        """Replay the graph for this decode-only batch; returns its logits (D, V)."""
+        D = hb.num_decodes
+        size = self.padded(D)
+        assert size is not None
+        self._copied.synchronize()  # the mirrors may be rewritten only once the last copies have landed
+        h = self.host
+        h["ids"][:D] = torch.from_numpy(hb.input_ids)
+        h["pos"][:D] = torch.from_numpy(hb.positions)
+        h["slots"][:D] = torch.from_numpy(hb.slot_mapping)
+        h["slots"][D:size] = -1
+        h["lens"][:D] = torch.from_numpy(hb.decode_lens)
+        h["lens"][D:size] = 0
+        width = hb.decode_tables.shape[1]
+        h["tables"][:D, :width] = torch.from_numpy(hb.decode_tables)
+        for key in self.host:
+            self.dev[key][:size].copy_(h[key][:size], non_blocking=True)
+        self._copied.record()
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:D]
+
+
+class CudaModelRunner:
+    """Runs one iteration on a CUDA device with the Triton or FlashInfer attention backend."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str,
+        stop_token_ids: frozenset[int],
+        max_num_seqs: int,
+        max_model_len: int,
+        seed: int = 0,
+        cuda_graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
+        self.attention = make_cuda_attention(attention_backend, self.cache, num_heads, num_kv_heads, head_dim)
+        self.sampler = GpuSampler(stop_token_ids, seed=seed, device=device)
+        self.stager = Stager(device)
+        self.max_num_seqs = max_num_seqs
+        self.max_pages = -(-max_model_len // block_size)
+        model.fused_kernels = True  # type: ignore[assignment]
+        use_graphs = cuda_graphs and attention_backend == "triton" and device.type == "cuda"
+        self.graphs = (
+            DecodeGraphs(self, graph_batch_sizes(max_num_seqs), self.max_pages) if use_graphs else None
+        )
+
+    def splits(self, padded_batch: int) -> int:
+        """Split-KV count for decodes; a function of the padded batch size only, so graphs and eager agree."""
+        return self.attention.splits(padded_batch)
+
+    def warm_up(self) -> float:
+        """Compile every kernel and capture the decode graphs before the engine reports ready; seconds taken."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self._warm_eager()
+            if self.graphs is not None:
+                self.graphs.capture()
+        self._sync()
+        return time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _warm_eager(self) -> None:
+        """One hybrid iteration (a decode, a first chunk, a later chunk) to compile the eager kernels.
+
+        NOTE: it writes K/V into blocks 0-3; harmless, since a block's slots are always written before any
+        request attends to them.
+        """
+        bs = self.block_size
+        if self.cache.k[0].shape[0] < 4:
+            return
+        n, ctx = 2 * bs, bs + 3  # the later chunk starts mid-page
+        i64 = np.int64
+        table = np.arange(4, dtype=i64)
+        pos = np.concatenate([[bs], np.arange(n), np.arange(ctx, ctx + n)]).astype(i64)
+        hb = HostBatch(
+            input_ids=np.zeros(1 + 2 * n, dtype=i64),
+            positions=pos,
+            slot_mapping=pos.copy(),  # blocks 0..3 in order: slot = position
+            num_decodes=1,
+            decode_lens=np.array([bs + 1], dtype=i64),
+            decode_tables=table[None, :],
+            prefill_q_starts=np.array([1, 1 + n], dtype=i64),
+            prefill_q_lens=np.array([n, n], dtype=i64),
+            prefill_ctx_lens=np.array([0, ctx], dtype=i64),
+            prefill_tables=np.stack([table, table]),
+            sample_rows=np.array([0, n, 2 * n], dtype=i64),
+        )
+        _, logits = self._eager(hb)
+        assert logits is not None
+        reqs = [SampleRequest(f"warm-up-{i}", SamplingParams(max_tokens=1), 0) for i in range(3)]
+        self.sampler.sample(logits, reqs)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    def _padded(self, batch: int) -> int:
+        if self.graphs is not None:
+            size = self.graphs.padded(batch)
+            if size is not None:
+                return size
+        return batch
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        hb = host_batch(out, self.block_size)
+        reqs = [
+            SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens)
+            for c in out.chunks
+            if c.sample
+        ]
+        if self.graphs is not None and hb.decode_only and self.graphs.padded(hb.num_decodes) is not None:
+            t1 = time.perf_counter()
+            logits = self.graphs.run(hb)  # (D, V): every decode samples
+        else:
+            t1, logits = self._eager(hb)
+        samples: dict[str, SampleResult] = {}
+        if logits is not None:
+            for req, res in zip(reqs, self.sampler.sample(logits, reqs), strict=True):
+                samples[req.request_id] = res
+        else:
+            self._sync()  # keeps timings and buffers honest
+        t2 = time.perf_counter()
+        # NOTE: the forward and the sampling kernels finish together at the one copy back; their sum is
+        # reported as forward time, and sampling time is the host's share after it.
+        return RunnerOutput(samples, t1 - t0, t2 - t1, 0.0)
+
+    def _eager(self, hb: HostBatch) -> tuple[float, torch.Tensor | None]:
+        D = hb.num_decodes
+        ids, pos, slots, dlens, dtables, qs, ql, ctx, ptables, rows = self.stager.stage(
+            [
+                hb.input_ids, hb.positions, hb.slot_mapping, hb.decode_lens, hb.decode_tables,
+                hb.prefill_q_starts, hb.prefill_q_lens, hb.prefill_ctx_lens, hb.prefill_tables, hb.sample_rows,
+            ]
+        )  # fmt: skip
+        batch = DeviceBatch(
+            hb, slots, dlens, dtables, self.splits(self._padded(D)) if D else 1, qs, ql, ctx, ptables
+        )
+        attend = self.attention.bind(batch)
+        t1 = time.perf_counter()
+        hidden = self.model(ids, pos, attend)  # (T, C)
+        if not len(hb.sample_rows):
+            return t1, None
+        return t1, self.model.compute_logits(hidden.index_select(0, rows))  # (N, V) float32
