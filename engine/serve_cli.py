@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stallfree.engine.config import DTYPES, POLICIES
+from stallfree.engine.config import DTYPES, LOAD_FORMATS, POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,44 @@ traffic clusters file (YAML or JSON):
 examples:
   stallfree serve                                     # bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
   stallfree serve --model ./Llama-3.2-1B --host 0.0.0.0 --token-budget 256 --traffic-clusters engine.yaml
+  stallfree serve --load-format dummy --shape llama3-8b --device cuda   # random weights, 8B shape (GPU)
 """
+
+
+SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "tiny-hd128")  # stallfree.engine.model.dummy.SHAPES
+
+
+def add_load_format_args(group) -> None:
+    """--load-format and --shape, the same on every command that loads a model (serve, profile, bench)."""
+    group.add_argument("--load-format", choices=LOAD_FORMATS, default=None, help="auto: read the weights "
+                       "at --model; dummy: random weights (seeded by --seed) of the shape --model names, built "
+                       "on the device, for benchmarks without weights (default: auto; dummy with --shape)")  # fmt: skip
+    group.add_argument("--shape", metavar="NAME|CONFIG", default=None, help="shorthand for --load-format "
+                       f"dummy --model NAME|CONFIG: a named shape ({', '.join(SHAPE_NAMES)}) or an HF "
+                       "config.json (or a folder holding one); default with dummy: smollm2-135m")  # fmt: skip
+
+
+def resolve_load_format(
+    model: str | None, load_format: str | None, shape: str | None
+) -> tuple[str | None, str]:
+    """(model, load_format) from --model, --load-format and --shape. --shape implies dummy.
+
+    Raises ValueError when they contradict each other or a dummy shape is neither a known name nor a config.
+    """
+    if shape is not None:
+        if load_format == "auto":
+            raise ValueError(
+                "--shape builds random weights: it needs --load-format dummy (or no --load-format)"
+            )
+        if model is not None:
+            raise ValueError("--shape and --model both name the model: with --load-format dummy give one")
+        model, load_format = shape, "dummy"
+    load_format = load_format or "auto"
+    if load_format == "dummy":
+        from stallfree.engine.model.dummy import dummy_config  # noqa: PLC0415 - imports torch
+
+        dummy_config(model or SHAPE_NAMES[0])  # a bad name or config fails here, naming the shapes
+    return model, load_format
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default: the "
                    "bundled SmolLM2-135M-Instruct")  # fmt: skip
+    add_load_format_args(m)
     m.add_argument(
         "--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: bf16 on GPU, fp32 on CPU)"
     )
@@ -61,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages; across pods the "
                    "ranks come from STALLFREE_NODE_RANK/NUM_NODES/LEADER_ADDRESS (docs/parallelism.md)")  # fmt: skip
-    m.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    m.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed for requests without their own, and of --load-format dummy weights",
+    )
     s = p.add_argument_group("scheduling")
     s.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default: sarathi)")
     s.add_argument("--token-budget", type=int, default=512, help="tokens per iteration (sarathi); the "
@@ -131,8 +174,10 @@ def build_configs(args: argparse.Namespace):
         raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    model = None if args.model in (None, DEFAULT_MODEL_NAME) else args.model
-    if model is not None and not Path(model).expanduser().exists():
+    model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+    if load_format == "auto" and model == DEFAULT_MODEL_NAME:
+        model = None
+    if load_format == "auto" and model is not None and not Path(model).expanduser().exists():
         raise ValueError(
             f"--model {model}: no such file or folder (give a .gguf file or a Hugging Face folder)"
         )
@@ -150,6 +195,7 @@ def build_configs(args: argparse.Namespace):
         traffic = TrafficConfig(traffic.token_budget, traffic.chunk_align, (*kept, *flags))
     engine_config = EngineConfig(
         model=model,
+        load_format=load_format,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,

@@ -58,6 +58,9 @@ class WorkerInit:
     stop_token_ids: frozenset[int]
     seed: int
     timeout_s: float
+    # How a rank without shared weights (another node) gets them: "auto" reads model_path; "dummy" builds
+    # the same random weights as the leader (same shape, dtype and seed, on the CPU, so they agree).
+    load_format: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -233,7 +236,10 @@ def _start(conn: Connection, init: WorkerInit) -> StageWorker:
     if state is None:
         from stallfree.engine.model.loader import load_model
 
-        state = load_model(init.model_path, dtype=init.dtype, device="cpu").model.state_dict()
+        state = load_model(
+            init.model_path, dtype=init.dtype, device="cpu", load_format=init.load_format, seed=init.seed,
+            max_model_len=init.model_config.max_position_embeddings,
+        ).model.state_dict()  # fmt: skip
     stage = build_stage(
         init.model_config, state, tp_size=init.tp_size, tp_rank=init.tp_rank, pp_size=init.pp_size,
         stage=init.stage, comm=comm, device=device, dtype=init.dtype,

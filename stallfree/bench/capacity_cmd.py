@@ -158,6 +158,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             num_kv_blocks=args.num_kv_blocks,
             chunk_align=args.chunk_align,
             model=args.model,
+            load_format=args.load_format,
             threads=args.threads,
             extra_args=iteration_log_args(args.iteration_logs, out, entry),
         )

@@ -19,6 +19,7 @@ from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import add_workload_args, tbt_slos
 from stallfree.bench.simulator import POLICY_NAMES, parse_policy_entry
 from stallfree.bench.traces import load_trace, make_workload
+from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
 SERVE_EXAMPLE = """\
 example (CPU, SmolLM2-135M, summarization trace at 1/8 length):
@@ -38,6 +39,7 @@ examples:
   stallfree bench sweep --policies sarathi,sarathi-nohybrid,orca --qps 0.3 --scale 0.125 --out results/ablation
   stallfree bench sweep --policies sarathi --token-budgets 128,256,512,1024,2048 --qps 0.3 --scale 0.125 \\
       --out results/budgets
+  stallfree bench sweep --policies sarathi,orca --shape llama3-8b --qps 2 --out results/sweep-8b   # GPU, random weights
 """
 
 
@@ -51,6 +53,7 @@ def _server_args(ap: argparse.ArgumentParser) -> None:
     """Options of the `stallfree serve` processes that capacity and sweep start."""
     g = ap.add_argument_group("servers started by this command")
     g.add_argument("--model", default=None, help="model for stallfree serve (default: bundled SmolLM2-135M)")
+    add_load_format_args(g)
     g.add_argument("--token-budget", type=int, default=512, help="sarathi's token budget")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: the server's)")
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         slos = tbt_slos(args.slo_tbt)
         slo = SLO(ttft=args.slo_ttft, tbt=slos[0], scheduling_delay=args.slo_delay)
         trace = load_trace(args.trace)
+        if args.command in ("capacity", "sweep"):  # the servers' model, checked before any starts
+            args.model, args.load_format = resolve_load_format(args.model, args.load_format, args.shape)
         if args.command == "serve":
             workload = make_workload(
                 trace,

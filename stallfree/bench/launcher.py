@@ -39,6 +39,7 @@ class ServerSpec:
     num_kv_blocks: int | None = None
     chunk_align: int = 0
     model: str | None = None
+    load_format: str = "auto"  # "dummy": random weights of the shape `model` names (stallfree serve --shape)
     threads: int = 1  # torch CPU threads (OMP_NUM_THREADS)
     extra_args: list[str] = field(default_factory=list)
 
@@ -54,6 +55,8 @@ class ServerSpec:
             cmd += ["--num-kv-blocks", str(self.num_kv_blocks)]
         if self.model:
             cmd += ["--model", self.model]
+        if self.load_format != "auto":
+            cmd += ["--load-format", self.load_format]
         return cmd + self.extra_args
 
 

@@ -27,6 +27,8 @@ from tqdm import tqdm
 from stallfree.bench import costmodel, servedfit
 from stallfree.bench.host import HostWatch, describe
 from stallfree.bench.report import measured_vs_predicted, pyplot, table, write_json
+from stallfree.engine.config import DTYPES
+from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
 
 def _ints(s: str) -> list[int]:
@@ -37,7 +39,10 @@ def _engine(loaded, max_seqs: int, kv_tokens: int):
     from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulerTunables
     from stallfree.engine.engine import LLMEngine
 
+    weights = next(loaded.model.parameters())  # the engine runs where the model was loaded, in its dtype
     cfg = EngineConfig(
+        device=str(weights.device),
+        dtype=str(weights.dtype).removeprefix("torch."),
         scheduler=SchedulerConfig(
             policy="sarathi", max_num_seqs=max_seqs, tunables=SchedulerTunables(token_budget=8192)
         ),
@@ -200,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         prog="stallfree profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M)")
+    add_load_format_args(ap)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: fp32 on CPU, "
+                    "bf16 on GPU)")  # fmt: skip
     ap.add_argument("--decodes", default="0,8,32", help="running decodes per iteration")
     ap.add_argument("--decode-contexts", default="64,384", help="context length of the running decodes")
     ap.add_argument("--chunks", default="0,64,256,768", help="prefill chunk sizes (tokens)")
     ap.add_argument("--prefill-contexts", default="0,512", help="tokens already prefilled before the chunk")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="fit thread CPU time (robust "
-                    "on a shared box; needs --threads 1) or wall time")  # fmt: skip
+    ap.add_argument("--clock", choices=("cpu", "wall"), default=None, help="fit thread CPU time (robust "
+                    "on a shared box; needs --threads 1) or wall time (default: cpu on the CPU, wall on a "
+                    "GPU, where the thread's CPU time does not see the kernels)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=2, help="iterations per configuration (median kept)")
     ap.add_argument("--holdout", type=float, default=0.25, help="fraction of configurations held out")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the held-out split (and of dummy weights)")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: robust on a shared 2-core box)"
     )
@@ -227,36 +237,53 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from stallfree.engine.engine import resolve_device, resolve_dtype
     from stallfree.engine.model.loader import load_model
 
+    try:
+        model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+        device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as e:
+        ap.error(str(e))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device is available here")
+    on_gpu = device.type != "cpu"
+    clock = args.clock or ("wall" if on_gpu else "cpu")
+    if clock == "cpu" and on_gpu:
+        ap.error(
+            "--clock cpu measures the calling thread's CPU time, not the GPU's kernels: use --clock wall"
+        )
     torch.set_num_threads(args.threads)
     decodes, dctx, chunks, pctx = map(
         _ints, (args.decodes, args.decode_contexts, args.chunks, args.prefill_contexts)
     )
     if args.reps < 1 or not 0 <= args.holdout < 1:
         ap.error("--reps must be >= 1 and --holdout in [0, 1)")
-    if args.clock == "cpu" and args.threads != 1:
+    if clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures the calling thread: use it with --threads 1, or use --clock wall")
     out = Path(args.out)
-    loaded = load_model(args.model, dtype=torch.float32)
+    loaded = load_model(
+        model, dtype=resolve_dtype(args.dtype, device), device=device, load_format=load_format, seed=args.seed
+    )
     n_states = sum(len(dctx) if d else 1 for d in decodes)
     t0 = time.time()
     host = HostWatch()
     with tqdm(
         total=n_states * len(pctx) * len(chunks), desc="profile", unit="config", file=sys.stderr
     ) as bar:
-        points = profile_grid(loaded, decodes, dctx, chunks, pctx, args.reps, bar, args.clock)
+        points = profile_grid(loaded, decodes, dctx, chunks, pctx, args.reps, bar, clock)
     model, fit_error = fit_with_holdout(points, args.holdout, args.seed)
     model.meta = {
         "model": loaded.name,
-        "device": "cpu",
+        "device": str(device),
+        "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         "threads": args.threads,
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "profile_wall_s": time.time() - t0,
         "fit_error": fit_error,
-        "clock": args.clock,
+        "clock": clock,
         # How much slower wall time was than CPU time while profiling: 1.0 on an idle box. The simulator's
         # --contention takes it to predict this box as it was.
         "contention_factor": float(
@@ -286,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(
-        f"\nclock: {args.clock}; wall / CPU time while profiling (contention factor): "
+        f"\nclock: {clock}; wall / CPU time while profiling (contention factor): "
         f"{model.meta['contention_factor']:.2f}; {describe(model.meta['host'])}"
     )
     fe = fit_error["held_out"]

@@ -123,7 +123,7 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
         mine = [b for p, b in configs if p == policy]
         spec = ServerSpec(policy=policy, token_budget=mine[0], max_num_seqs=args.max_num_seqs,
                           num_kv_blocks=args.num_kv_blocks, chunk_align=args.chunk_align, model=args.model,
-                          threads=args.threads,
+                          load_format=args.load_format, threads=args.threads,
                           extra_args=iteration_log_args(args.iteration_logs, out, policy))  # fmt: skip
         print(f"{policy}: starting stallfree serve", file=sys.stderr, flush=True)
         with ServerProcess(spec, out / f"server-{policy}.log") as server:
