@@ -29,9 +29,14 @@ class LLM:
     """An engine plus a loop that runs prompts to completion.
 
     model=None serves the bundled SmolLM2-135M-Instruct; otherwise a .gguf file or a Hugging Face folder.
+    load_format="dummy" builds random weights (seeded by `seed`) instead of reading any: `model` then names
+    the shape, a name in stallfree.engine.model.dummy.SHAPES (None = smollm2-135m) or an HF config.json
+    (or a folder holding one), as vLLM's dummy format takes the model for its config. For benchmarks.
     policy: sarathi (stall-free batching), vllm, orca or static. token_budget caps the tokens of one
     iteration (sarathi); chunk_align rounds prefill chunks to a tile. tensor_parallel_size and
     pipeline_parallel_size > 1 run the model in T x P worker processes (see docs/parallelism.md).
+    attention_backend: auto (CUDA: the Triton kernels in bf16/fp16, torch in fp32; CPU: torch), torch,
+    triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
     """
 
     def __init__(
@@ -43,12 +48,14 @@ class LLM:
         block_size: int = 16,
         dtype: str = "auto",
         *,
+        load_format: str = "auto",
         max_model_len: int | None = None,
         chunk_align: int = 0,
         hybrid_batching: bool = True,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         device: str = "auto",
         seed: int = 0,
         traffic_clusters: Sequence[TrafficClusterLimits] = (),
@@ -62,9 +69,11 @@ class LLM:
             )
         config = EngineConfig(
             model=model,
+            load_format=load_format,
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
+            cuda_graphs=not enforce_eager,
             max_model_len=max_model_len,
             seed=seed,
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
