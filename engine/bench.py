@@ -5,6 +5,10 @@
   hybrid     a batch of decodes riding along a prefill chunk vs decode-only and prefill-only batches
   overhead   share of each iteration spent outside the model forward at N running decodes
 
+With --device cuda (and usually --load-format dummy --shape llama3-8b) it measures the GPU path instead:
+decode at batch 1/32/128, one-shot and chunked prefill of 4096 tokens, a hybrid iteration, kernel launches
+and host syncs per iteration, each beside its memory or compute floor (stallfree.bench.engine_gpu).
+
 Configurations are interleaved round-robin and repeated, and medians are reported, because this box is
 shared and noisy. Results: JSON + PNG plots in --out, and a table on the terminal.
 """
@@ -225,7 +229,23 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared 2-core box)"
     )
     ap.add_argument("--out", default="results/engine-bench", help="folder for JSON and plots")
+    g = ap.add_argument_group("GPU (--device cuda: decode/prefill/hybrid against their floors, docs/gpu.md)")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default cpu)")
+    g.add_argument("--dtype", default="auto", help="cuda: auto (bfloat16), bfloat16, float16 or float32")
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights of --shape"
+    )
+    g.add_argument("--shape", default="llama3-8b", help="dummy shape: a named shape or an HF config.json")
+    g.add_argument("--backends", default="triton,torch", help="cuda: attention backends to measure, in order")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        from stallfree.bench.engine_gpu import main as gpu_main  # noqa: PLC0415
+
+        if args.out == "results/engine-bench":
+            args.out = "results/gpu"
+        return gpu_main(args)
+    if args.load_format == "dummy":
+        ap.error("--load-format dummy is for --device cuda here; on CPU the bundled model is measured")
 
     import torch
 

@@ -44,6 +44,7 @@ class ModelRunner:
         seed: int = 0,
     ) -> None:
         self.model = model
+        model.fused_kernels = False  # type: ignore[assignment] # plain torch ops: the reference path
         self.device = device
         self.block_size = block_size
         self.cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
