@@ -1,9 +1,11 @@
 """Attention for the CUDA runner: the Triton kernels (default) or FlashInfer, fed one `DeviceBatch`.
 
-Both write the new tokens' K/V into the cache pages first, then attend: decode rows through a paged decode
-kernel, prefill chunks through a paged prefill kernel (bottom-right causal over the cached history), or, for
-a chunk with nothing cached before it, through torch's fused causal SDPA on the chunk's own K/V.
-Neither synchronises with the host.
+Both write the new tokens' K/V into the cache pages first, then attend. The Triton backend sends decode rows
+through its paged split-KV decode kernel (CUDA-graph safe), and prefill chunks, in bf16/fp16, through the
+FlashAttention-2 kernel that ships in torch: a chunk's history is gathered from the pages into one
+contiguous K/V (a copy of a few MB per layer) and attended with bottom-right causal alignment, which is
+that kernel's meaning of `is_causal` when queries are fewer than keys. In fp32 (no FlashAttention) chunks
+go through the Triton paged prefill kernel. Neither backend synchronises with the host.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class DeviceBatch:
     prefill_q_lens: torch.Tensor
     prefill_ctx_lens: torch.Tensor
     prefill_tables: torch.Tensor  # (C, P')
+    prefill_hist_slots: torch.Tensor  # every chunk's history slots, concatenated (HostBatch)
 
 
 def store_kv(cache: KVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -54,7 +57,9 @@ class TritonAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         dev = cache.k[0].device
         # Off CUDA (Triton's interpreter, in tests) a nominal 4 SMs keeps the split counts small.
-        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        self.num_sms = (
+            torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        )
 
     def splits(self, padded_batch: int) -> int:
         return decode_splits(padded_batch, self.num_kv_heads, self.num_sms)
@@ -71,6 +76,42 @@ class TritonAttention:
         return attend
 
     def bind(self, batch: DeviceBatch):
+        if self.cache.k[0].dtype in (torch.bfloat16, torch.float16) and self.cache.k[0].is_cuda:
+            return self._bind_flash(batch)
+        return self._bind_paged(batch)
+
+    def _bind_flash(self, batch: DeviceBatch):
+        cache, host = self.cache, batch.host
+        D = host.num_decodes
+        off = host.prefill_hist_offsets.tolist()
+        chunks = [
+            (int(s), int(n), int(c), off[i], off[i + 1])
+            for i, (s, n, c) in enumerate(
+                zip(host.prefill_q_starts, host.prefill_q_lens, host.prefill_ctx_lens, strict=True)
+            )
+        ]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            store_kv(cache, layer, batch.slot_mapping, k, v)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
+            kc, vc = cache.k[layer], cache.v[layer]
+            if D:
+                paged_decode(
+                    q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], batch.decode_splits
+                )
+            kf, vf = cache.flat(layer)
+            for s, n, c, h0, h1 in chunks:
+                if c == 0:  # nothing cached before it: the chunk's own K/V, no gather
+                    kk, vv = k[s : s + n], v[s : s + n]
+                else:
+                    slots = batch.prefill_hist_slots[h0:h1]
+                    kk, vv = kf.index_select(0, slots), vf.index_select(0, slots)  # (c + n, nkv, hd)
+                out[s : s + n] = flash_causal(q[s : s + n], kk, vv)
+            return out
+
+        return attend
+
+    def _bind_paged(self, batch: DeviceBatch):
         cache, host = self.cache, batch.host
         D = host.num_decodes
         # NOTE: chunks with nothing cached before them attend only to themselves: torch's fused causal SDPA
@@ -106,6 +147,40 @@ class TritonAttention:
             return out
 
         return attend
+
+
+_NATIVE_GQA: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """FlashAttention-2 (torch's build) of q (n, nh, hd) over k, v (S, nkv, hd), S >= n, bottom-right causal:
+    query i sees keys 0 .. S - n + i. Returns (n, nh, hd)."""
+    group = q.shape[1] // k.shape[1]
+    qq, kk, vv = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, h, L, hd)
+    if group > 1 and not _native_gqa(q.device, q.dtype):
+        kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
+    o = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, True)[0]  # (1, nh, n, hd)
+    return o[0].transpose(0, 1)
+
+
+def _native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's FlashAttention takes fewer K/V heads than query heads as GQA (checked once, on a
+    small problem against repeated K/V); else K/V are repeated, a copy of one chunk's history."""
+    key = (str(device), dtype)
+    if key not in _NATIVE_GQA:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, 4, 5, 64, generator=g, device=device).to(dtype)
+        k, v = (torch.randn(1, 2, 9, 64, generator=g, device=device).to(dtype) for _ in range(2))
+        ref = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), 0.0, True
+        )[0]
+        try:
+            got = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+            _NATIVE_GQA[key] = bool(torch.allclose(got.float(), ref.float(), atol=1e-2))
+        except (RuntimeError, ValueError, NotImplementedError):
+            _NATIVE_GQA[key] = False
+        logger.info("FlashAttention native GQA on %s %s: %s", device, dtype, _NATIVE_GQA[key])
+    return _NATIVE_GQA[key]
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:

@@ -30,6 +30,10 @@ class HostBatch:
     prefill_q_lens: np.ndarray  # (C,)
     prefill_ctx_lens: np.ndarray  # (C,) tokens cached before the chunk (= its first absolute position)
     prefill_tables: np.ndarray  # (C, P')
+    # Cache slots of every chunk's whole history (positions 0 .. ctx_len + q_len), concatenated, and where
+    # chunk c's run starts (C + 1 offsets): what a dense attention kernel gathers from the pages.
+    prefill_hist_slots: np.ndarray
+    prefill_hist_offsets: np.ndarray
     sample_rows: np.ndarray  # (N,) rows whose logits are sampled: decodes, and prefills that just finished
 
     @property
@@ -57,6 +61,8 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
     slots = np.empty(T, dtype=np.int64)
     dec_lens, dec_rows, dec_pages = [], [], []
     q_starts, q_lens, ctx, pre_rows, pre_pages, sample_rows = [], [], [], [], [], []
+    hist: list[np.ndarray] = []
+    hist_offsets = [0]
     row = 0
     for c in chunks:
         n = c.num_tokens
@@ -80,6 +86,10 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
             ctx.append(c.start)
             pre_rows.append(c.block_table)
             pre_pages.append(pages)
+            p = np.arange(kv_len, dtype=np.int64)
+            table = np.asarray(c.block_table[:pages], dtype=np.int64)
+            hist.append(table[p // block_size] * block_size + p % block_size)
+            hist_offsets.append(hist_offsets[-1] + kv_len)
         row += n
         if c.sample:
             sample_rows.append(row - 1)  # the chunk's last token predicts the next one
@@ -95,6 +105,8 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
         prefill_q_lens=np.asarray(q_lens, dtype=i64),
         prefill_ctx_lens=np.asarray(ctx, dtype=i64),
         prefill_tables=_table(pre_rows, pre_pages),
+        prefill_hist_slots=np.concatenate(hist) if hist else np.zeros(0, dtype=i64),
+        prefill_hist_offsets=np.asarray(hist_offsets, dtype=i64),
         sample_rows=np.asarray(sample_rows, dtype=i64),
     )
 

@@ -200,6 +200,8 @@ class CudaModelRunner:
             prefill_q_lens=np.array([n, n], dtype=i64),
             prefill_ctx_lens=np.array([0, ctx], dtype=i64),
             prefill_tables=np.stack([table, table]),
+            prefill_hist_slots=np.concatenate([np.arange(n), np.arange(ctx + n)]).astype(i64),
+            prefill_hist_offsets=np.array([0, n, 2 * n + ctx], dtype=i64),
             sample_rows=np.array([0, n, 2 * n], dtype=i64),
         )
         _, logits = self._eager(hb)
@@ -244,15 +246,15 @@ class CudaModelRunner:
 
     def _eager(self, hb: HostBatch) -> tuple[float, torch.Tensor | None]:
         D = hb.num_decodes
-        ids, pos, slots, dlens, dtables, qs, ql, ctx, ptables, rows = self.stager.stage(
+        ids, pos, slots, dlens, dtables, qs, ql, ctx, ptables, hist, rows = self.stager.stage(
             [
                 hb.input_ids, hb.positions, hb.slot_mapping, hb.decode_lens, hb.decode_tables,
-                hb.prefill_q_starts, hb.prefill_q_lens, hb.prefill_ctx_lens, hb.prefill_tables, hb.sample_rows,
+                hb.prefill_q_starts, hb.prefill_q_lens, hb.prefill_ctx_lens, hb.prefill_tables,
+                hb.prefill_hist_slots, hb.sample_rows,
             ]
         )  # fmt: skip
-        batch = DeviceBatch(
-            hb, slots, dlens, dtables, self.splits(self._padded(D)) if D else 1, qs, ql, ctx, ptables
-        )
+        splits = self.splits(self._padded(D)) if D else 1
+        batch = DeviceBatch(hb, slots, dlens, dtables, splits, qs, ql, ctx, ptables, hist)
         attend = self.attention.bind(batch)
         t1 = time.perf_counter()
         hidden = self.model(ids, pos, attend)  # (T, C)

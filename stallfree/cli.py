@@ -72,3 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

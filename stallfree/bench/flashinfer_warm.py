@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         prefill_q_lens=empty if args.kind == "decode" else np.array([n], dtype=i64),
         prefill_ctx_lens=empty if args.kind == "decode" else np.array([0], dtype=i64),
         prefill_tables=np.zeros((0, 1), dtype=i64) if args.kind == "decode" else table,
+        prefill_hist_slots=empty if args.kind == "decode" else np.arange(n, dtype=i64),
+        prefill_hist_offsets=np.array([0], dtype=i64)
+        if args.kind == "decode"
+        else np.array([0, n], dtype=i64),
         sample_rows=np.array([n - 1], dtype=i64),
     )
 
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = DeviceBatch(
         hb, dev_(hb.slot_mapping), dev_(hb.decode_lens), dev_(hb.decode_tables), 1, dev_(hb.prefill_q_starts),
-        dev_(hb.prefill_q_lens), dev_(hb.prefill_ctx_lens), dev_(hb.prefill_tables),
+        dev_(hb.prefill_q_lens), dev_(hb.prefill_ctx_lens), dev_(hb.prefill_tables), dev_(hb.prefill_hist_slots),
     )  # fmt: skip
     attend = attn.bind(batch)
     q = torch.randn(n, args.num_heads, args.head_dim, dtype=dtype, device=dev)
