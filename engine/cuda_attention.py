@@ -75,15 +75,18 @@ class TritonAttention:
 
         return attend
 
-    def bind(self, batch: DeviceBatch):
+    def bind(self, batch: DeviceBatch, store: bool = True):
+        """The attention function of this batch; store=False when the caller already wrote the new K/V
+        (the piecewise CUDA graphs do it inside the graph)."""
         if self.cache.k[0].dtype in (torch.bfloat16, torch.float16) and self.cache.k[0].is_cuda:
-            return self._bind_flash(batch)
-        return self._bind_paged(batch)
+            return self._bind_flash(batch, store)
+        return self._bind_paged(batch, store)
 
-    def _bind_flash(self, batch: DeviceBatch):
+    def _bind_flash(self, batch: DeviceBatch, store: bool):
         cache, host = self.cache, batch.host
         D = host.num_decodes
         off = host.prefill_hist_offsets.tolist()
+        group = self.num_heads // self.num_kv_heads
         chunks = [
             (int(s), int(n), int(c), off[i], off[i + 1])
             for i, (s, n, c) in enumerate(
@@ -92,7 +95,8 @@ class TritonAttention:
         ]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            store_kv(cache, layer, batch.slot_mapping, k, v)
+            if store:
+                store_kv(cache, layer, batch.slot_mapping, k, v)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
             kc, vc = cache.k[layer], cache.v[layer]
             if D:
@@ -101,17 +105,19 @@ class TritonAttention:
                 )
             kf, vf = cache.flat(layer)
             for s, n, c, h0, h1 in chunks:
-                if c == 0:  # nothing cached before it: the chunk's own K/V, no gather
-                    kk, vv = k[s : s + n], v[s : s + n]
+                if c == 0:
+                    # Nothing cached before it: causal SDPA on the chunk's own K/V, no gather. torch picks
+                    # cuDNN's fused kernel here on Hopper, which measured faster than FlashAttention-2.
+                    out[s : s + n] = _causal_sdpa(q[s : s + n], k[s : s + n], v[s : s + n], group)
                 else:
                     slots = batch.prefill_hist_slots[h0:h1]
                     kk, vv = kf.index_select(0, slots), vf.index_select(0, slots)  # (c + n, nkv, hd)
-                out[s : s + n] = flash_causal(q[s : s + n], kk, vv)
+                    out[s : s + n] = flash_causal(q[s : s + n], kk, vv)
             return out
 
         return attend
 
-    def _bind_paged(self, batch: DeviceBatch):
+    def _bind_paged(self, batch: DeviceBatch, store: bool):
         cache, host = self.cache, batch.host
         D = host.num_decodes
         # NOTE: chunks with nothing cached before them attend only to themselves: torch's fused causal SDPA
@@ -133,7 +139,8 @@ class TritonAttention:
         group = self.num_heads // self.num_kv_heads
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            store_kv(cache, layer, batch.slot_mapping, k, v)
+            if store:
+                store_kv(cache, layer, batch.slot_mapping, k, v)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
             kc, vc = cache.k[layer], cache.v[layer]
             if D:
@@ -225,7 +232,7 @@ class FlashInferAttention:
         dev_indices = torch.from_numpy(indices).pin_memory().to(device, non_blocking=True)
         return torch.from_numpy(indptr), dev_indices, torch.from_numpy(last)
 
-    def bind(self, batch: DeviceBatch):
+    def bind(self, batch: DeviceBatch, store: bool = True):
         cache, host = self.cache, batch.host
         D, dtype, dev = host.num_decodes, cache.k[0].dtype, cache.k[0].device
         shape = (self.num_heads, self.num_kv_heads, self.head_dim, cache.block_size)
@@ -243,7 +250,8 @@ class FlashInferAttention:
             )  # fmt: skip
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            store_kv(cache, layer, batch.slot_mapping, k, v)
+            if store:
+                store_kv(cache, layer, batch.slot_mapping, k, v)
             kv = (cache.k[layer], cache.v[layer])
             parts = []
             if D:

@@ -8,9 +8,10 @@ FLOPs, decide decode speed. This runner
   and paged attention (stallfree.engine.cuda_attention);
 - replays decode-only iterations from CUDA graphs captured at start-up for padded batch sizes 1, 2, 4, 8,
   16, 24, 32, 48, 64, ... up to max_num_seqs: padding rows write no K/V (slot -1) and attend to nothing;
-- runs hybrid and prefill iterations eagerly: with a prefill chunk of a few hundred tokens the GPU work
-  (GEMMs over every token) outlasts the host's launches, so there is little for a graph to save there
-  (docs/gpu.md has the measurement);
+- replays hybrid and prefill iterations of up to `max_graph_tokens` tokens piecewise: the layers between
+  two attentions from graphs captured per padded token count, attention eagerly in between
+  (stallfree.engine.cuda_graphs; docs/gpu.md has the measurement that asked for it); larger ones run
+  eagerly, where the GPU work outlasts the host's launches;
 - samples on the GPU and reads the sampled tokens back in one copy: the iteration's one synchronisation.
 
 The CPU path (and the torch attention backend on CUDA, the reference) keeps `ModelRunner`.
@@ -27,6 +28,7 @@ import torch
 from stallfree.engine.attention import KVCache
 from stallfree.engine.cuda_attention import DeviceBatch, make_cuda_attention
 from stallfree.engine.cuda_batch import HostBatch, Stager, host_batch
+from stallfree.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_sizes
 from stallfree.engine.gpu_sampler import GpuSampler
 from stallfree.engine.model_runner import RunnerOutput
 from stallfree.engine.sampler import SampleRequest, SampleResult
@@ -34,91 +36,6 @@ from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def graph_batch_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
-    """Padded decode batch sizes to capture: 1, 2, 4, 8, then steps of 8 to 32, of 16 to 128, of 32 on."""
-    sizes = [1, 2, 4, 8, *range(16, 33, 8), *range(48, 129, 16), *range(160, largest + 1, 32)]
-    cap = min(max_num_seqs, largest)
-    out = [s for s in sizes if s < cap]
-    return [*out, cap] if cap not in out else out
-
-
-class DecodeGraphs:
-    """CUDA graphs of whole decode iterations (model + logits), one per padded batch size.
-
-    The graphs read persistent device buffers (token ids, positions, KV slots, block tables, lengths); a
-    replay first fills them from pinned host mirrors with asynchronous copies.
-    """
-
-    def __init__(self, runner: CudaModelRunner, sizes: list[int], max_pages: int) -> None:
-        self.runner = runner
-        self.sizes = sorted(sizes)
-        dev = runner.device
-        n = self.sizes[-1]
-        self.host = {
-            "ids": torch.zeros(n, dtype=torch.int64, pin_memory=True),
-            "pos": torch.zeros(n, dtype=torch.int64, pin_memory=True),
-            "slots": torch.full((n,), -1, dtype=torch.int64, pin_memory=True),
-            "lens": torch.zeros(n, dtype=torch.int64, pin_memory=True),
-            "tables": torch.zeros((n, max_pages), dtype=torch.int64, pin_memory=True),
-        }
-        self.dev = {k: torch.zeros_like(v, device=dev) for k, v in self.host.items()}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._copied = torch.cuda.Event()
-
-    def padded(self, batch: int) -> int | None:
-        """The smallest captured size that holds `batch` decodes (None when none does)."""
-        return next((s for s in self.sizes if s >= batch), None)
-
-    def _forward(self, size: int) -> torch.Tensor:
-        r, d = self.runner, self.dev
-        attend = r.attention.decode_fn(
-            d["slots"][:size], d["tables"][:size], d["lens"][:size], r.splits(size)
-        )
-        hidden = r.model(d["ids"][:size], d["pos"][:size], attend)  # (size, C)
-        return r.model.compute_logits(hidden)  # (size, V) float32
-
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self._fill_dummy(size)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(size)  # compiles the kernels for this shape outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
-
-    def _fill_dummy(self, size: int) -> None:
-        for key, value in (("ids", 0), ("pos", 0), ("slots", -1), ("lens", 1), ("tables", 0)):
-            self.dev[key][:size].fill_(value)
-
-    def run(self, hb: HostBatch) -> torch.Tensor:
-        """Replay the graph for this decode-only batch; returns its logits (D, V)."""
-        D = hb.num_decodes
-        size = self.padded(D)
-        assert size is not None
-        self._copied.synchronize()  # the mirrors may be rewritten only once the last copies have landed
-        h = self.host
-        h["ids"][:D] = torch.from_numpy(hb.input_ids)
-        h["pos"][:D] = torch.from_numpy(hb.positions)
-        h["slots"][:D] = torch.from_numpy(hb.slot_mapping)
-        h["slots"][D:size] = -1
-        h["lens"][:D] = torch.from_numpy(hb.decode_lens)
-        h["lens"][D:size] = 0
-        width = hb.decode_tables.shape[1]
-        h["tables"][:D, :width] = torch.from_numpy(hb.decode_tables)
-        for key in self.host:
-            self.dev[key][:size].copy_(h[key][:size], non_blocking=True)
-        self._copied.record()
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:D]
 
 
 class CudaModelRunner:
@@ -142,6 +59,7 @@ class CudaModelRunner:
         max_model_len: int,
         seed: int = 0,
         cuda_graphs: bool = True,
+        max_graph_tokens: int = 2048,
     ) -> None:
         self.model = model
         self.device = device
@@ -157,6 +75,8 @@ class CudaModelRunner:
         self.graphs = (
             DecodeGraphs(self, graph_batch_sizes(max_num_seqs), self.max_pages) if use_graphs else None
         )
+        pieces = piecewise_sizes(max_graph_tokens)
+        self.piecewise = PiecewiseGraphs(self, pieces) if use_graphs and pieces else None
 
     def splits(self, padded_batch: int) -> int:
         """Split-KV count for decodes; a function of the padded batch size only, so graphs and eager agree."""
@@ -167,8 +87,11 @@ class CudaModelRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self._warm_eager()
+            pool = torch.cuda.graph_pool_handle() if self.graphs is not None else None
             if self.graphs is not None:
-                self.graphs.capture()
+                self.graphs.capture(pool)
+            if self.piecewise is not None:
+                self.piecewise.capture(pool)
         self._sync()
         return time.perf_counter() - t0
 
@@ -255,9 +178,11 @@ class CudaModelRunner:
         )  # fmt: skip
         splits = self.splits(self._padded(D)) if D else 1
         batch = DeviceBatch(hb, slots, dlens, dtables, splits, qs, ql, ctx, ptables, hist)
-        attend = self.attention.bind(batch)
         t1 = time.perf_counter()
-        hidden = self.model(ids, pos, attend)  # (T, C)
+        if self.piecewise is not None and self.piecewise.padded(hb.num_tokens) is not None:
+            hidden = self.piecewise.run(hb, ids, pos, slots, self.attention.bind(batch, store=False))
+        else:
+            hidden = self.model(ids, pos, self.attention.bind(batch))  # (T, C)
         if not len(hb.sample_rows):
             return t1, None
         return t1, self.model.compute_logits(hidden.index_select(0, rows))  # (N, V) float32

@@ -159,6 +159,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             seed=self.config.seed,
             cuda_graphs=self.config.cuda_graphs,
+            max_graph_tokens=self.config.max_graph_tokens,
         )
 
     def _torch_runner(self) -> ModelRunner:

@@ -58,9 +58,8 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
         stride_qt, stride_qh, stride_tb, stride_kb, stride_ks, stride_kh, num_heads, scale_log2e,
         NUM_SPLITS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT_CLASS: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
-        # SPLIT_CLASS (0: one split, 1: a few, 2: many) only keys the tuning: tokens per program differ.
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -191,19 +190,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return nh, nkv, hd, bs
 
 
-def _decode_configs() -> list:
-    """Tile and warp choices the decode kernel is tuned over on the GPU (at warm-up, once per process)."""
-    shapes = [(32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 2), (128, 4, 2)]
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
-
-
-if triton is not None and not _INTERPRET:
-    # NOTE: tuning only benchmarks the split kernel, which writes nothing but its partials: safe to repeat.
-    _decode_split_tuned = triton.autotune(configs=_decode_configs(), key=["HD", "G", "SPLIT_CLASS"])(
-        _decode_split_kernel
-    )
-
-
 def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
     """Splits of each history so that (batch x kv heads x splits) programs fill the GPU about 4 times."""
     return max(1, min(max_splits, -(-4 * num_sms // max(1, batch_size * num_kv_heads))))
@@ -218,13 +204,13 @@ def paged_decode(
     out: torch.Tensor,
     num_splits: int,
     scale: float | None = None,
-    block_n: int | None = None,
+    block_n: int = 64,
 ) -> torch.Tensor:
     """Attention of one query per request over its paged history.
 
     q, out: (B, nh, hd) (last dim contiguous); k_cache, v_cache: (num_blocks, block_size, nkv, hd);
     block_tables: (B, max_pages) int32/int64; seq_lens: (B,) keys per request, new token included (0 =
-    padding row, output zeros). block_n: keys per tile; None = tuned on the GPU. Returns `out`.
+    padding row, output zeros). block_n: keys per tile. Returns `out`.
     """
     nh, nkv, hd, bs = _check(q, k_cache)
     B = q.shape[0]
@@ -241,12 +227,9 @@ def paged_decode(
     meta = dict(
         NUM_SPLITS=num_splits, G=G, GP=max(16, _next_pow2(G)), HD=hd, BS=bs, IEEE=ieee, UPCAST=_INTERPRET
     )
-    split_class = 0 if num_splits == 1 else 1 if num_splits <= 4 else 2
-    grid = (B, nkv, num_splits)
-    if block_n is None and not _INTERPRET:
-        _decode_split_tuned[grid](*args, **meta, SPLIT_CLASS=split_class)
-    else:
-        _decode_split_kernel[grid](*args, **meta, SPLIT_CLASS=split_class, BLOCK_N=block_n or 64, num_warps=4)
+    # NOTE: 64-key tiles and 4 warps measured best on the H200 (docs/gpu.md); tuning at warm-up on dummy
+    # lengths picked worse tiles, so the choice is fixed.
+    _decode_split_kernel[(B, nkv, num_splits)](*args, **meta, BLOCK_N=block_n, num_warps=4)
     _decode_merge_kernel[(B, nh)](
         o_part, lse, out, out.stride(0), out.stride(1), nh,
         NUM_SPLITS=num_splits, SP=_next_pow2(num_splits), HD=hd, num_warps=4,

@@ -130,18 +130,20 @@ class LlamaAttention(nn.Module):
         out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))  # (T, C)
 
-    def forward_fused(
-        self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding, attn: AttentionFn
-    ) -> Tensor:
-        """The CUDA path: q and k rotated in place by one kernel, as views of the fused projection."""
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+    def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (T, nh, hd), k and v (T, nkv, hd) as views of a fused projection output (T, (nh + 2 nkv) hd)."""
+        T = qkv.shape[0]
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def qkv_rope(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding) -> Tensor:
+        """The CUDA path's fused projection (T, (nh + 2 nkv) hd), q and k rotated in place by one kernel."""
+        qkv = self.qkv_proj(x)
+        q, k, _ = self.split_qkv(qkv)
         fused.rope_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
-        out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return qkv
 
 
 class LlamaMLP(nn.Module):
@@ -180,8 +182,20 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """The CUDA path: the residual add rides in the RMSNorm kernels. Returns (branch output, residual);
         the caller adds them in the next norm. Same arithmetic as `forward`, fewer kernels."""
+        qkv, residual = self.pre_attention(x, residual, positions, rotary)
+        out = attn(self.self_attn.layer_idx, *self.self_attn.split_qkv(qkv))  # (T, nh, hd)
+        return self.post_attention(out, residual)
+
+    def pre_attention(
+        self, x: Tensor, residual: Tensor | None, positions: Tensor, rotary: RotaryEmbedding
+    ) -> tuple[Tensor, Tensor]:
+        """CUDA path, up to attention: (rotated fused qkv (T, (nh + 2 nkv) hd), residual stream (T, C))."""
         h, residual = fused.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        x = self.self_attn.forward_fused(h, positions, rotary, attn)
+        return self.self_attn.qkv_rope(h, positions, rotary), residual
+
+    def post_attention(self, attn_out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """CUDA path, from the attention output (T, nh, hd): (MLP branch output (T, C), residual stream)."""
+        x = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         h, residual = fused.add_rmsnorm(
             x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
         )

@@ -234,10 +234,13 @@ def run_backend(
     loaded: LoadedModel, dtype: str, backend: str, floors: Floors, reps: int, bar, plan: Plan
 ) -> dict:
     blocks = (max(plan.batches) * (plan.context + 64) + 3 * plan.prompt) // 16 + 64
+    # "triton-eager-hybrid": the Triton backend with hybrid/prefill iterations eager (no piecewise graphs)
+    eager_hybrid = backend.endswith("-eager-hybrid")
     cfg = EngineConfig(
         dtype=dtype,
         device=plan.device,
-        attention_backend=backend,
+        attention_backend=backend.removesuffix("-eager-hybrid"),
+        max_graph_tokens=0 if eager_hybrid else 2048,
         scheduler=SchedulerConfig(
             policy="sarathi", max_num_seqs=128, tunables=SchedulerTunables(token_budget=8192)
         ),
@@ -245,8 +248,10 @@ def run_backend(
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, loaded=loaded)
-    row: dict = {"backend": engine.runner.attention.name, "startup_s": time.perf_counter() - t0}
+    name = engine.runner.attention.name + ("-eager-hybrid" if eager_hybrid else "")
+    row: dict = {"backend": name, "startup_s": time.perf_counter() - t0}
     row["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
+    row["piecewise_graphs"] = getattr(engine.runner, "piecewise", None) is not None
     decode = bench_decode(engine, floors, reps, plan)
     bar.update(1)
     row["decode_ms"] = {b: v["ms"] for b, v in decode.items()}
