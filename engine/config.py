@@ -123,7 +123,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto, torch, triton, flashinfer (see engine.resolve_attention_backend)
     cuda_graphs: bool = True  # CUDA: replay decode iterations from graphs captured at start-up
     # CUDA: hybrid/prefill iterations up to this many tokens replay piecewise graphs (0 = always eager)
-    max_graph_tokens: int = 2048
+    max_graph_tokens: int = 1024
     max_model_len: int | None = None  # None = the model's context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

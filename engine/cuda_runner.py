@@ -59,7 +59,7 @@ class CudaModelRunner:
         max_model_len: int,
         seed: int = 0,
         cuda_graphs: bool = True,
-        max_graph_tokens: int = 2048,
+        max_graph_tokens: int = 1024,
     ) -> None:
         self.model = model
         self.device = device

@@ -240,7 +240,7 @@ def run_backend(
         dtype=dtype,
         device=plan.device,
         attention_backend=backend.removesuffix("-eager-hybrid"),
-        max_graph_tokens=0 if eager_hybrid else 2048,
+        max_graph_tokens=0 if eager_hybrid else 1024,
         scheduler=SchedulerConfig(
             policy="sarathi", max_num_seqs=128, tunables=SchedulerTunables(token_budget=8192)
         ),
