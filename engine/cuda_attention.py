@@ -82,9 +82,22 @@ class TritonAttention:
             return self._bind_flash(batch, store)
         return self._bind_paged(batch, store)
 
+    def _store_and_decode(
+        self, batch: DeviceBatch, store: bool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The part every batch shares: store the new K/V (unless done already), attend for the decode rows
+        (the first D). Returns the output (T, nh, hd) with the decode rows filled."""
+        cache, D = self.cache, batch.host.num_decodes
+        if store:
+            store_kv(cache, layer, batch.slot_mapping, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
+        if D:
+            kc, vc = cache.k[layer], cache.v[layer]
+            paged_decode(q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], batch.decode_splits)
+        return out
+
     def _bind_flash(self, batch: DeviceBatch, store: bool):
         cache, host = self.cache, batch.host
-        D = host.num_decodes
         off = host.prefill_hist_offsets.tolist()
         group = self.num_heads // self.num_kv_heads
         chunks = [
@@ -95,14 +108,7 @@ class TritonAttention:
         ]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if store:
-                store_kv(cache, layer, batch.slot_mapping, k, v)
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
-            kc, vc = cache.k[layer], cache.v[layer]
-            if D:
-                paged_decode(
-                    q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], batch.decode_splits
-                )
+            out = self._store_and_decode(batch, store, layer, q, k, v)
             kf, vf = cache.flat(layer)
             for s, n, c, h0, h1 in chunks:
                 if c == 0:
@@ -119,7 +125,6 @@ class TritonAttention:
 
     def _bind_paged(self, batch: DeviceBatch, store: bool):
         cache, host = self.cache, batch.host
-        D = host.num_decodes
         # NOTE: chunks with nothing cached before them attend only to themselves: torch's fused causal SDPA
         # (FlashAttention) on their own K/V; the others read their history from the pages.
         first = [i for i, c in enumerate(host.prefill_ctx_lens.tolist()) if c == 0]
@@ -139,14 +144,8 @@ class TritonAttention:
         group = self.num_heads // self.num_kv_heads
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if store:
-                store_kv(cache, layer, batch.slot_mapping, k, v)
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
+            out = self._store_and_decode(batch, store, layer, q, k, v)
             kc, vc = cache.k[layer], cache.v[layer]
-            if D:
-                paged_decode(
-                    q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], batch.decode_splits
-                )
             for s, n in fresh:
                 out[s : s + n] = _causal_sdpa(q[s : s + n], k[s : s + n], v[s : s + n], group)
             if paged:

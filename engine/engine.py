@@ -141,10 +141,10 @@ class LLMEngine:
                     torch.cuda.empty_cache()
         return self._torch_runner()
 
-    def _cuda_runner(self, backend: str) -> CudaModelRunner:
+    def _runner_args(self) -> dict:
+        """What every runner needs: the model's shape, the KV cache's size, the device, stop tokens, seed."""
         mc = self.model_config
-        return CudaModelRunner(
-            self.loaded.model,
+        return dict(
             num_layers=mc.num_layers,
             num_heads=mc.num_heads,
             num_kv_heads=mc.num_kv_heads,
@@ -153,31 +153,23 @@ class LLMEngine:
             block_size=self.config.cache.block_size,
             kv_dtype=self.dtype,
             device=self.device,
-            attention_backend=backend,
             stop_token_ids=self.tokenizer.stop_token_ids,
+            seed=self.config.seed,
+        )
+
+    def _cuda_runner(self, backend: str) -> CudaModelRunner:
+        return CudaModelRunner(
+            self.loaded.model,
+            attention_backend=backend,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             max_model_len=self.max_model_len,
-            seed=self.config.seed,
             cuda_graphs=self.config.cuda_graphs,
             max_graph_tokens=self.config.max_graph_tokens,
+            **self._runner_args(),
         )
 
     def _torch_runner(self) -> ModelRunner:
-        mc = self.model_config
-        return ModelRunner(
-            self.loaded.model,
-            num_layers=mc.num_layers,
-            num_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            num_blocks=self.num_kv_blocks,
-            block_size=self.config.cache.block_size,
-            kv_dtype=self.dtype,
-            device=self.device,
-            attention_backend="torch",
-            stop_token_ids=self.tokenizer.stop_token_ids,
-            seed=self.config.seed,
-        )
+        return ModelRunner(self.loaded.model, attention_backend="torch", **self._runner_args())
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
