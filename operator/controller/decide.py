@@ -51,13 +51,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from stallfree.operator.controller.cost_model import (
-    BUILTIN,
-    CostModel,
-    budget_for_demand,
-    budget_for_time,
-    prefill_capacity,
-)
+from stallfree.costmodel.model import BUILTIN, CostModel
+from stallfree.costmodel.planning import budget_for_demand, budget_for_time, prefill_capacity
 from stallfree.operator.controller.types import (
     CAP,
     HOLD,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_factories import make_cost_model, write_trace
+from bench_factories import write_trace
+from costmodel_factories import make_cost_model
 
 from stallfree.bench import cli, profile, simulate, tune
 
