@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from stallfree.bench.phase import experiment as pe
 from stallfree.costmodel.fitted import FittedCostModel
-from stallfree.operator.controller import phase_experiment as pe
 from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Slo
 
 pytestmark = pytest.mark.usefixtures("traces_available")
