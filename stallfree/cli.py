@@ -29,11 +29,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "HTTP serving vs offline LLM.generate: throughput, added latency",
     ),
     "phase-sim": (
-        "stallfree.operator.controller.phase_experiment",
+        "stallfree.bench.phase.experiment",
         "budget controller vs every static budget on a phase-shifting workload (simulator)",
     ),
     "phase-live": (
-        "stallfree.operator.controller.phase_live",
+        "stallfree.bench.phase.live",
         "the same on real `stallfree up` deployments",
     ),
 }

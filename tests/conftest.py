@@ -1,4 +1,5 @@
-"""Shared test set-up: factories live in plain modules next to the tests (tests/factories.py, ...)."""
+"""Shared test set-up: factories live in plain modules next to the tests (tests/factories.py,
+tests/costmodel/costmodel_factories.py, ...)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 _TESTS = Path(__file__).parent
-for p in (_TESTS, _TESTS / "engine"):
+for p in (_TESTS, _TESTS / "engine", _TESTS / "costmodel"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 

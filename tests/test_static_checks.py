@@ -1,17 +1,36 @@
-"""House style as tests: ruff lint and format over the repo and mypy over the typed core (STYLE.md, habit 7).
+"""House style as tests: ruff lint and format over the repo and mypy over the typed core (STYLE.md, habit 7),
+and which way the layers point (habit 9: production code never imports benchmark code).
 
-Both tools run from the venv running pytest, from the repo root, so pyproject.toml's settings apply.
+The tools run from the venv running pytest, from the repo root, so pyproject.toml's settings apply.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
-# The paths STYLE.md keeps under mypy: scheduler, block manager, server and operator.
-MYPY_PATHS = ["engine/scheduler.py", "engine/block_manager.py", "engine/server", "operator"]
+# The paths STYLE.md keeps under mypy: scheduler, block manager, server and operator, and the cost model the
+# operator's controller plans with.
+MYPY_PATHS = [
+    "engine/scheduler.py",
+    "engine/block_manager.py",
+    "engine/server",
+    "operator",
+    "stallfree/costmodel",
+]
+# folder -> packages nothing in it may import. The operator is what runs in a cluster: benchmark harnesses
+# and local mode live outside it. The cost model is shared by the profiler, the simulator and the
+# controller, so it imports none of them.
+FORBIDDEN_IMPORTS = {
+    "operator": ("stallfree.bench", "stallfree.local"),
+    "stallfree/costmodel": ("stallfree.bench", "stallfree.local", "stallfree.operator"),
+}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -35,3 +54,39 @@ def test_ruff_format_is_clean() -> None:
 def test_mypy_passes_on_typed_paths() -> None:
     proc = _run("mypy", *MYPY_PATHS)
     assert proc.returncode == 0, f"mypy failed:\n{proc.stdout}{proc.stderr}"
+
+
+def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module) for every import in a file, at any depth (lazy imports inside functions too)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+            # `from stallfree import bench` imports stallfree.bench as well
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+
+
+def forbidden(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN_IMPORTS))
+def test_layers_point_one_way(folder: str) -> None:
+    packages = FORBIDDEN_IMPORTS[folder]
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for line, module in imported_modules(path)
+        if forbidden(module, packages)
+    ]
+    assert not found, f"{folder}/ must not import {' or '.join(packages)}:\n" + "\n".join(found)
+
+
+def test_the_import_check_sees_lazy_and_from_imports(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from stallfree import local\n\ndef f():\n    import stallfree.bench.traces\n")
+    mods = [m for _, m in imported_modules(src)]
+    assert forbidden("stallfree.bench.traces", ("stallfree.bench",))
+    assert not forbidden("stallfree.benchmarks", ("stallfree.bench",))
+    assert "stallfree.local" in mods and "stallfree.bench.traces" in mods

@@ -1,7 +1,8 @@
 """The budget controller: reads live P99 TBT/TTFT and queue metrics, retunes token budgets, chunk caps,
 admission limits and replicas per traffic cluster.
 
-- `types`, `decide`, `cost_model`: the pure decision core (no I/O).
+- `types`, `decide`: the pure decision core (no I/O); it plans with stallfree.costmodel, the iteration cost
+  model it shares with the profiler and the simulator.
 - `promql`, `prometheus`, `direct`: metric sources (Prometheus, or engines' admin stats in local mode).
 - `loop`: one control step (read -> decide -> apply -> status), holding settings when data is missing.
 - `kopf_timer`: the operator side (the only module here that imports kopf).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stallfree.operator.controller.cost_model import BUILTIN, CostModel, from_coefficients
+from stallfree.costmodel.model import BUILTIN, CostModel, from_coefficients
 from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Knobs, Slo
 from stallfree.operator.spec import SarathiSpec
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from stallfree.operator.controller.cost_model import BUILTIN, CostModel
+from stallfree.costmodel.model import BUILTIN, CostModel
 from stallfree.operator.controller.reading import Reading, read
 from stallfree.operator.controller.rules import (
     cut_on_tbt_violation,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
-from stallfree.operator.controller.cost_model import BUILTIN, CostModel
+from stallfree.costmodel.model import BUILTIN, CostModel
 from stallfree.operator.controller.decide import decide, initial_settings, with_caps
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import (

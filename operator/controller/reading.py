@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stallfree.operator.controller.cost_model import CostModel, budget_for_time, prefill_capacity
+from stallfree.costmodel.model import CostModel
+from stallfree.costmodel.planning import budget_for_time, prefill_capacity
 from stallfree.operator.controller.targets import is_shed
 from stallfree.operator.controller.types import (
     ClusterSnapshot,

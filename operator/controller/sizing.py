@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stallfree.operator.controller.cost_model import budget_for_demand, prefill_capacity
+from stallfree.costmodel.planning import budget_for_demand, prefill_capacity
 from stallfree.operator.controller.reading import Reading
 from stallfree.operator.controller.types import ClusterSpec, Settings
 

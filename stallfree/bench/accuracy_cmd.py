@@ -20,12 +20,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from stallfree.bench.costmodel import CostModel
 from stallfree.bench.metrics import SLO
 from stallfree.bench.report import table, write_json
 from stallfree.bench.simulate import _simulate_once, sim_config, simulate_capacity
 from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import load_trace
+from stallfree.costmodel.fitted import FittedCostModel
 
 
 def _err(measured: float | None, predicted: float | None) -> float | None:
@@ -36,7 +36,7 @@ def _err(measured: float | None, predicted: float | None) -> float | None:
 
 def compare(
     capacity: dict,
-    cost: CostModel,
+    cost: FittedCostModel,
     contention: float = 1.0,
     tolerance: float = 0.05,
     servers: Collection[str] | None = None,
@@ -97,7 +97,7 @@ def _pct(e: float | None) -> str:
 def main_accuracy(args: argparse.Namespace) -> int:
     try:
         capacity = json.loads(Path(args.capacity).read_text())
-        cost = CostModel.load(args.cost_model)
+        cost = FittedCostModel.load(args.cost_model)
     except (OSError, ValueError) as e:
         print(f"stallfree bench accuracy: {e}", file=sys.stderr)
         return 2

@@ -28,15 +28,15 @@ import numpy as np
 
 from stallfree.bench import servedfit
 from stallfree.bench.accuracy_cmd import compare
-from stallfree.bench.costmodel import CostModel
 from stallfree.bench.launcher import iteration_log_path as log_path
 from stallfree.bench.report import pyplot, table, write_json
+from stallfree.costmodel.fitted import FittedCostModel
 
 HOLDOUT = 0.25  # as `stallfree profile --from-log`: the saved model never saw these blocks
 TARGET_ERROR = 0.2
 
 
-def fit_logs(paths: list[Path], out: Path) -> CostModel:
+def fit_logs(paths: list[Path], out: Path) -> FittedCostModel:
     model, _ = servedfit.fit_logs(paths, "period", HOLDOUT, seed=0)
     out.mkdir(parents=True, exist_ok=True)
     model.save(out / "cost_model.json")
@@ -71,7 +71,7 @@ def evaluate(folder: Path, grids: list[Path] | None = None) -> dict:
     arxiv = {s: log_path(folder / "capacity-arxiv", s) for s in servers}
     fits = folder / "fits"
 
-    def whole(name: str, label: str, cost: CostModel) -> dict:
+    def whole(name: str, label: str, cost: FittedCostModel) -> dict:
         print(f"{label}: simulating every run of {', '.join(servers)}", flush=True)
         res = compare(capacity, cost)
         return {"name": name, "label": label, "runs": res["runs"], "capacity": res["capacity"]}
@@ -93,7 +93,7 @@ def evaluate(folder: Path, grids: list[Path] | None = None) -> dict:
         whole(
             "grid" if k == 0 else f"grid-{g.parent.name}",
             f"grid profile ({g.parent.name})",
-            CostModel.load(g),
+            FittedCostModel.load(g),
         )
         for k, g in enumerate(grids)
     ]

@@ -96,11 +96,13 @@ def search_target(
 def simulated(policy: str, budget: int, trace: Trace, args, slos: list[float], slo: SLO) -> dict | None:
     if not args.cost_model:
         return None
-    from stallfree.bench.costmodel import CostModel
     from stallfree.bench.simulate import contention_of, sim_config, simulate_capacity
+    from stallfree.costmodel.fitted import FittedCostModel
 
-    cfg = sim_config(args, policy, budget, contention_of(args.contention, CostModel.load(args.cost_model)))
-    return simulate_capacity(trace, args, CostModel.load(args.cost_model), cfg, slos, slo)
+    cfg = sim_config(
+        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model))
+    )
+    return simulate_capacity(trace, args, FittedCostModel.load(args.cost_model), cfg, slos, slo)
 
 
 def _plot(results: dict, slos: list[float], out: Path) -> Path:

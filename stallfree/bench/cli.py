@@ -5,7 +5,7 @@
   sweep     fixed-load runs over policies and token budgets (ablation, budget sweep, simulator accuracy)
 
 Trace lengths are multiplied by --scale and clipped to --max-model-len; every report says how many were
-clipped. Traces are read from <repo>/../shared/data/traces (or $STALLFREE_TRACES).
+clipped. Named traces are read from the repository's data/traces/ (or $STALLFREE_TRACES).
 """
 
 from __future__ import annotations
@@ -163,8 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "accuracy":
         return accuracy_cmd.main_accuracy(args)
     try:
+        # The arguments alone first, so a typo is reported before any file is read.
         slos = tbt_slos(args.slo_tbt)
         slo = SLO(ttft=args.slo_ttft, tbt=slos[0], scheduling_delay=args.slo_delay)
+        for p in (getattr(args, "policies", "") or "").split(","):
+            if p.strip() and args.command == "capacity":
+                parse_policy_entry(p, args.token_budget)
+            elif p.strip() and p.strip() not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {p.strip()!r}; choose from {', '.join(POLICY_NAMES)}")
         trace = load_trace(args.trace)
         if args.command in ("capacity", "sweep"):  # the servers' model, checked before any starts
             args.model, args.load_format = resolve_load_format(args.model, args.load_format, args.shape)
@@ -177,11 +183,6 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 seed=args.seed,
             )
-        for p in (getattr(args, "policies", "") or "").split(","):
-            if p.strip() and args.command == "capacity":
-                parse_policy_entry(p, args.token_budget)
-            elif p.strip() and p.strip() not in POLICY_NAMES:
-                raise ValueError(f"unknown policy {p.strip()!r}; choose from {', '.join(POLICY_NAMES)}")
     except ValueError as e:
         print(f"stallfree bench {args.command}: {e}", file=sys.stderr)
         return 2

@@ -24,9 +24,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from stallfree.bench import costmodel, servedfit
+from stallfree.bench import servedfit
 from stallfree.bench.host import HostWatch, describe
 from stallfree.bench.report import measured_vs_predicted, pyplot, table, write_json
+from stallfree.costmodel.features import iteration_features
+from stallfree.costmodel.fit import fit_held_out
+from stallfree.costmodel.fitted import FittedCostModel, spec_snippet
 from stallfree.engine.config import DTYPES
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
@@ -81,7 +84,7 @@ def _measure(engine, cap: _Capture, steps: int) -> tuple[dict[str, float], list[
         c0 = time.thread_time()
         engine.step()
         cpu.append(time.thread_time() - c0)
-        rows.append(costmodel.iteration_features(cap.last.chunks))
+        rows.append(iteration_features(cap.last.chunks))
         wall.append(engine.last_stats.time_total)
     mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
     return mean, wall, cpu
@@ -150,13 +153,13 @@ def profile_grid(
     return points
 
 
-def fit_with_holdout(points: list[dict], holdout: float, seed: int) -> tuple[costmodel.CostModel, dict]:
+def fit_with_holdout(points: list[dict], holdout: float, seed: int) -> tuple[FittedCostModel, dict]:
     rng = np.random.default_rng(seed)
     n = len(points)
     test = (
         set(rng.choice(n, size=max(1, int(round(n * holdout))), replace=False).tolist()) if holdout else set()
     )
-    return costmodel.fit_held_out(points, test)
+    return fit_held_out(points, test)
 
 
 def _plot(points: list[dict], out: Path) -> Path:
@@ -193,11 +196,9 @@ def _plot(points: list[dict], out: Path) -> Path:
     return path
 
 
-def _print_saved(out: Path, png: Path, model: costmodel.CostModel) -> None:
+def _print_saved(out: Path, png: Path, model: FittedCostModel) -> None:
     print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
-    print(
-        f"\nfor the budget controller, in the SarathiDeployment:\n{costmodel.spec_snippet(model.coefficients)}"
-    )
+    print(f"\nfor the budget controller, in the SarathiDeployment:\n{spec_snippet(model.coefficients)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_contexts": pctx,
             "reps": args.reps,
         },
-        "units": "seconds per iteration; features as in stallfree.bench.costmodel",
+        "units": "seconds per iteration; features as in stallfree.costmodel.features",
     }
     out.mkdir(parents=True, exist_ok=True)
     model.save(out / "cost_model.json")

@@ -21,7 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stallfree.bench import costmodel
+from stallfree.costmodel.features import iteration_features
+from stallfree.costmodel.fit import fit_held_out
+from stallfree.costmodel.fitted import FittedCostModel
 
 TARGETS = ("period", "step")
 BLOCK = 50  # iterations per hold-out block
@@ -57,7 +59,7 @@ def read_log(paths: Sequence[str | Path], target: str = "period") -> list[dict]:
                 raise ValueError(f"{path}:{no}: not an iteration record ({e})") from e
             if value is None or value <= 0 or not chunks:
                 continue
-            f = costmodel.iteration_features(chunks)
+            f = iteration_features(chunks)
             points.append(
                 {
                     "features": f,
@@ -85,8 +87,8 @@ def block_holdout(n: int, fraction: float, seed: int, block: int = BLOCK) -> set
     return {i for b in chosen.tolist() for i in range(b * block, min(n, (b + 1) * block))}
 
 
-def fit_points(points: list[dict], holdout: float, seed: int) -> tuple[costmodel.CostModel, dict]:
-    model, fit_error = costmodel.fit_held_out(points, block_holdout(len(points), holdout, seed))
+def fit_points(points: list[dict], holdout: float, seed: int) -> tuple[FittedCostModel, dict]:
+    model, fit_error = fit_held_out(points, block_holdout(len(points), holdout, seed))
     # What the SLO cares about: the tail of the iteration times, measured vs predicted on held-out data.
     fit_error["held_out_p99_s"] = _p99_pair([p for p in points if p["held_out"]])
     return model, fit_error
@@ -94,7 +96,7 @@ def fit_points(points: list[dict], holdout: float, seed: int) -> tuple[costmodel
 
 def fit_logs(
     paths: Sequence[str | Path], target: str = "period", holdout: float = 0.25, seed: int = 0
-) -> tuple[costmodel.CostModel, list[dict]]:
+) -> tuple[FittedCostModel, list[dict]]:
     """The cost model fitted to iteration logs, with the metadata saying where it came from, and the
     points it was fitted to. Raises ValueError as read_log does."""
     points = read_log(paths, target)
@@ -110,7 +112,7 @@ def fit_logs(
         "fit_error": fit_error,
         # The log's times are the served wall times, contention included: nothing to scale.
         "contention_factor": 1.0,
-        "units": "seconds per iteration; features as in stallfree.bench.costmodel",
+        "units": "seconds per iteration; features as in stallfree.costmodel.features",
     }
     return model, points
 

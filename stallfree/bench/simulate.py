@@ -20,11 +20,11 @@ import numpy as np
 from tqdm import tqdm
 
 from stallfree.bench.capacity import CapacitySearch
-from stallfree.bench.costmodel import CostModel
 from stallfree.bench.metrics import SLO, meets_capacity_slo, summarize
 from stallfree.bench.report import latency_cells, pyplot, table, write_json
 from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, POLICY_NAMES, SimConfig, simulate
 from stallfree.bench.traces import load_trace, make_workload
+from stallfree.costmodel.fitted import FittedCostModel
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def tbt_slos(arg: str) -> list[float]:
     return vals
 
 
-def _simulate_once(trace, args, cost: CostModel, cfg: SimConfig, qps: float, slo: SLO) -> dict:
+def _simulate_once(trace, args, cost: FittedCostModel, cfg: SimConfig, qps: float, slo: SLO) -> dict:
     wl = make_workload(
         trace, args.num_requests, qps=qps, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed
     )
@@ -100,7 +100,7 @@ def sim_config(args, policy: str, budget: int, contention: float) -> SimConfig:
     )
 
 
-def contention_of(arg: str | float, cost: CostModel) -> float:
+def contention_of(arg: str | float, cost: FittedCostModel) -> float:
     """--contention: a factor, or 'profile' for the wall/CPU time factor measured while profiling."""
     if str(arg) == "profile":
         return float(cost.meta.get("contention_factor", 1.0))
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         slos = tbt_slos(args.slo_tbt)
-        cost = CostModel.load(args.cost_model)
+        cost = FittedCostModel.load(args.cost_model)
         trace = load_trace(args.trace)
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         budgets = [int(b) for b in args.token_budget.split(",")]

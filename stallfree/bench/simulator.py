@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from stallfree.bench.costmodel import CostModel, iteration_features
 from stallfree.bench.metrics import ERROR, OK, RequestRecord
 from stallfree.bench.traces import Workload
+from stallfree.costmodel.features import iteration_features
+from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.engine.block_manager import BlockManager
 from stallfree.engine.config import SchedulerConfig, SchedulerTunables
 from stallfree.engine.request import Request, RequestStatus
@@ -93,7 +94,7 @@ class SimResult:
 
 
 def simulate(
-    workload: Workload, cost: CostModel, config: SimConfig, max_iterations: int = 2_000_000
+    workload: Workload, cost: FittedCostModel, config: SimConfig, max_iterations: int = 2_000_000
 ) -> SimResult:
     """Replay the workload through the real scheduler; returns one record per request."""
     sched = config.scheduler()

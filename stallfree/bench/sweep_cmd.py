@@ -28,11 +28,13 @@ from stallfree.bench.traces import Trace, make_workload
 def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | None:
     if not args.cost_model:
         return None
-    from stallfree.bench.costmodel import CostModel
     from stallfree.bench.simulate import contention_of, sim_config
     from stallfree.bench.simulator import simulate
+    from stallfree.costmodel.fitted import FittedCostModel
 
-    cfg = sim_config(args, policy, budget, contention_of(args.contention, CostModel.load(args.cost_model)))
+    cfg = sim_config(
+        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model))
+    )
     wl = make_workload(
         trace,
         args.num_requests,
@@ -41,7 +43,7 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | N
         max_model_len=args.max_model_len,
         seed=args.seed,
     )
-    return summarize(simulate(wl, CostModel.load(args.cost_model), cfg).records, slo)
+    return summarize(simulate(wl, FittedCostModel.load(args.cost_model), cfg).records, slo)
 
 
 def set_budget(url: str, budget: int) -> None:

@@ -1,8 +1,9 @@
 """Request-length traces: loading, CPU scaling, clipping to the model context, seeded sampling, arrivals.
 
 A trace is a CSV of per-request token counts (`num_prefill_tokens,num_decode_tokens,...`), optionally with
-arrival times (`arrived_at` or `arrival_time`, seconds). The named traces live in
-`<repo>/../shared/data/traces/` (override the folder with STALLFREE_TRACES).
+arrival times (`arrived_at` or `arrival_time`, seconds). The named traces ship with the project in
+`data/traces/` (SOURCES.md there says where each came from); an installed wheel carries them as
+`stallfree/traces/`. STALLFREE_TRACES names another folder.
 
 On a CPU the lengths are multiplied by `scale` (e.g. 1/8) so the distribution keeps its shape, then clipped
 so prompt + output fits the model context. Every report states the scale and how many requests were clipped.
@@ -52,16 +53,16 @@ class Trace:
 
 
 def traces_dir() -> Path:
-    """Where the named traces live: $STALLFREE_TRACES, else <repo>/../shared/data/traces."""
+    """Where the named traces live: $STALLFREE_TRACES; else the repository's data/traces/ (a checkout or an
+    editable install); else the copy a wheel carries as package data (stallfree/traces/)."""
     env = os.environ.get("STALLFREE_TRACES")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    for base in (repo, Path.cwd()):
-        cand = base.parent / "shared" / "data" / "traces"
-        if cand.is_dir():
-            return cand
-    return repo.parent / "shared" / "data" / "traces"
+    here = Path(__file__).resolve()
+    checkout = here.parents[2] / "data" / "traces"
+    if checkout.is_dir():
+        return checkout
+    return here.parents[1] / "traces"
 
 
 def resolve_trace(spec: str) -> Path:
@@ -73,7 +74,7 @@ def resolve_trace(spec: str) -> Path:
     if not path.is_file():
         raise ValueError(
             f"trace {spec!r} not found at {path}; give a CSV path, or set STALLFREE_TRACES to the folder "
-            f"holding {', '.join(TRACE_FILES.values())}"
+            f"holding {', '.join(TRACE_FILES.values())} (they ship in the repository's data/traces/)"
         )
     return path
 

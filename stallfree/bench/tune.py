@@ -16,12 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from stallfree.bench.costmodel import CostModel
 from stallfree.bench.report import pyplot, table, write_json
+from stallfree.costmodel.fitted import FittedCostModel
 
 
 def worst_iteration(
-    cost: CostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
+    cost: FittedCostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
 ) -> float:
     """Predicted time of a full iteration: `decodes` decodes + prefill filling the rest of the budget (from
     several prompts when one is shorter), the deepest chunk ending a prompt_len-token prompt."""
@@ -30,7 +30,7 @@ def worst_iteration(
 
 
 def prefill_time(
-    cost: CostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
+    cost: FittedCostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
 ) -> tuple[float, int]:
     """Predicted time to prefill a prompt_len prompt in budget-sized chunks alongside `decodes` decodes.
     Returns (seconds, number of iterations); inf when the budget leaves no room for prefill."""
@@ -47,7 +47,7 @@ def prefill_time(
 
 
 def tune(
-    cost: CostModel,
+    cost: FittedCostModel,
     slo: float,
     *,
     decodes: int,
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/tune", help="folder for tune.json and tune.png")
     args = ap.parse_args(argv)
     try:
-        cost = CostModel.load(args.cost_model)
+        cost = FittedCostModel.load(args.cost_model)
         res = tune(
             cost,
             args.tbt_slo,

@@ -14,10 +14,10 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+from stallfree.costmodel.model import load_cost_model
 from stallfree.local.config import LocalDeployment
 from stallfree.local.engines import EngineFleet, write_engine_config
 from stallfree.operator.controller.config import loop_inputs
-from stallfree.operator.controller.cost_model import load_cost_model
 from stallfree.operator.controller.direct import AdminApplier, StatsSource, read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.metrics import ControllerMetrics

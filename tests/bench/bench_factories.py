@@ -1,25 +1,11 @@
-"""Factories for bench tests: small traces, workloads and cost models, built visibly."""
+"""Factories for bench tests: small traces and workloads, built visibly (cost models:
+tests/costmodel/costmodel_factories.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stallfree.bench.costmodel import CostModel
 from stallfree.bench.traces import load_trace, make_workload
-
-# A cost model shaped like the CPU's (seconds): 20 ms per iteration, 0.5 ms per prefill token, 1 ms per decode.
-COST = {
-    "const": 0.02,
-    "prefill_tokens": 0.0005,
-    "decode_tokens": 0.001,
-    "prefill_attn": 1e-7,
-    "decode_attn": 1e-7,
-    "prefill_chunks": 0.001,
-}
-
-
-def make_cost_model(**overrides: float) -> CostModel:
-    return CostModel({**COST, **overrides})
 
 
 def write_trace(path: Path, rows: list[tuple[int, int]], arrivals: list[float] | None = None) -> Path:

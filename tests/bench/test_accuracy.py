@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from bench_factories import make_cost_model, make_trace
+from bench_factories import make_trace
+from costmodel_factories import make_cost_model
 
 from stallfree.bench import cli
 from stallfree.bench.accuracy_cmd import compare

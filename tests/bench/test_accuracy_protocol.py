@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import random
 
-from bench_factories import make_cost_model
+from costmodel_factories import make_cost_model
 from test_accuracy import fake_capacity_json
 
 from stallfree.bench import accuracy_protocol
-from stallfree.bench.costmodel import iteration_features
 from stallfree.bench.servedfit import Shape
+from stallfree.costmodel.features import iteration_features
 
 
 def write_log(path, cost, seed: int, n: int = 300) -> None:

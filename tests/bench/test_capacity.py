@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench_factories import make_cost_model, make_trace
+from bench_factories import make_trace
+from costmodel_factories import make_cost_model
 
 from stallfree.bench.capacity import CapacitySearch
 from stallfree.bench.metrics import SLO, meets_capacity_slo

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_factories import make_cost_model, write_trace
+from bench_factories import write_trace
+from costmodel_factories import make_cost_model
 
 from stallfree.bench import cli, profile, simulate, tune
 
@@ -57,7 +58,8 @@ def test_bad_input_is_refused_with_a_message(tmp_path, capsys):
     assert "stallfree profile" in capsys.readouterr().err
     assert cli.main(["serve", "--url", "http://x", "--trace", str(tmp_path / "no.csv")]) == 2
     assert "not found" in capsys.readouterr().err
-    assert cli.main(["capacity", "--trace", "arxiv", "--policies", "sarathi@x"]) == 2
+    # A bad policy is reported from the arguments alone: the trace here does not even exist.
+    assert cli.main(["capacity", "--trace", str(tmp_path / "no.csv"), "--policies", "sarathi@x"]) == 2
     assert "sarathi@x" in capsys.readouterr().err
 
 

@@ -8,7 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from stallfree.bench import costmodel, profile, servedfit
+from stallfree.bench import profile, servedfit
+from stallfree.costmodel.features import iteration_features
+from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.engine.outputs import IterationStats
 from stallfree.engine.server.iteration_log import IterationLog
 
@@ -46,13 +48,13 @@ def test_iteration_log_periods_skip_idle_gaps(tmp_path):
 
 def synthetic_log(path, n: int, seed: int, noise: float = 0.02) -> None:
     rng = np.random.default_rng(seed)
-    model = costmodel.CostModel(TRUE)
+    model = FittedCostModel(TRUE)
     with path.open("w") as f:
         for i in range(n):
             chunks = [[1, int(rng.integers(50, 900)), 1] for _ in range(int(rng.integers(0, 24)))]
             if rng.random() < 0.6 or not chunks:
                 chunks.append([int(rng.integers(16, 512)), int(rng.integers(0, 1500)), 0])
-            f_ = costmodel.iteration_features([servedfit.Shape(a, b, bool(c)) for a, b, c in chunks])
+            f_ = iteration_features([servedfit.Shape(a, b, bool(c)) for a, b, c in chunks])
             period = model.predict(f_) * (1 + noise * rng.standard_normal())
             f.write(json.dumps({"t": i, "step_s": period * 0.8, "period_s": period, "chunks": chunks}) + "\n")
 
@@ -65,7 +67,7 @@ def test_profile_from_log_recovers_known_coefficients(tmp_path, capsys):
         profile.main(["--from-log", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--out", str(out)])
         == 0
     )
-    cm = costmodel.CostModel.load(out / "cost_model.json")
+    cm = FittedCostModel.load(out / "cost_model.json")
     for k in ("const", "prefill_tokens", "decode_tokens", "decode_attn"):  # the features that carry weight
         assert cm.coefficients[k] == pytest.approx(TRUE[k], rel=0.15), k
     fe = cm.meta["fit_error"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bench_factories import make_cost_model, make_sim_workload
+from bench_factories import make_sim_workload
+from costmodel_factories import make_cost_model
 
 from stallfree.bench.metrics import OK, SLO, summarize
 from stallfree.bench.simulator import SimConfig, parse_policy_entry, simulate, split_policy

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from bench_factories import make_trace, write_trace
@@ -88,12 +91,32 @@ def test_env_override_locates_named_traces(tmp_path, monkeypatch):
     assert load_trace("arxiv").prompt_tokens.tolist() == [3000]
 
 
-def test_named_traces_load_from_the_shared_folder():
-    if not (traces_dir() / TRACE_FILES["arxiv"]).is_file():
-        pytest.skip(f"shared traces not present at {traces_dir()}")
+def test_named_traces_ship_with_the_repository(monkeypatch):
+    # A clone with nothing beside it finds them: the default folder is the repository's data/traces/.
+    monkeypatch.delenv("STALLFREE_TRACES", raising=False)
+    assert traces_dir() == Path(__file__).resolve().parents[2] / "data" / "traces"
     arxiv, sharegpt = load_trace("arxiv"), load_trace("sharegpt")
     assert len(arxiv) == 28257 and len(sharegpt) == 30731
     assert np.median(arxiv.prompt_tokens) == pytest.approx(2730, rel=0.01)
+
+
+def test_shipped_traces_are_the_recorded_bytes():
+    # SOURCES.md names each file's sha256: byte-for-byte what its source repository holds.
+    folder = Path(__file__).resolve().parents[2] / "data" / "traces"
+    sources = (folder / "SOURCES.md").read_text()
+    for name in TRACE_FILES.values():
+        digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        assert f"{name} {digest}" in sources
+
+
+def test_a_wheel_carries_the_traces_as_package_data():
+    # Without a checkout, traces_dir() falls back to stallfree/traces/ beside the installed package.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    setup = project["tool"]["setuptools"]
+    assert setup["package-dir"]["stallfree.traces"] == "data/traces"
+    assert "stallfree.traces" in setup["packages"]
+    assert "*.csv" in setup["package-data"]["stallfree.traces"]
 
 
 def test_prompt_ids_are_deterministic_and_distinct():

@@ -49,10 +49,10 @@ def make_snapshot(t: float = 0.0, **clusters: dict) -> Snapshot:
 def make_profile(**coefficients: float):
     """A cost model as `stallfree profile` fits it (trusted in absolute terms), with the shape of a 2-core
     CPU's: about 2.6 ms per prefill token, 4.4 ms per decode; any coefficient can be overridden."""
-    from stallfree.bench.costmodel import CostModel as BenchCostModel
-    from stallfree.operator.controller.cost_model import ProfiledCostModel
+    from stallfree.costmodel.fitted import FittedCostModel
+    from stallfree.costmodel.model import ProfiledCostModel
 
     base = dict(const=0.06, prefill_tokens=2.6e-3, decode_tokens=4.4e-3, prefill_attn=1.7e-6,
                 decode_attn=2e-5, prefill_chunks=0.015)  # fmt: skip
     base.update(coefficients)
-    return ProfiledCostModel(BenchCostModel(base))
+    return ProfiledCostModel(FittedCostModel(base))

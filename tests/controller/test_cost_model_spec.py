@@ -9,10 +9,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from stallfree.bench.costmodel import CostModel as BenchCostModel
-from stallfree.bench.costmodel import spec_snippet
+from stallfree.costmodel.fitted import FittedCostModel, spec_snippet
+from stallfree.costmodel.model import BUILTIN, from_coefficients, load_cost_model
 from stallfree.operator.controller.config import loop_inputs
-from stallfree.operator.controller.cost_model import BUILTIN, from_coefficients, load_cost_model
 from stallfree.operator.spec import SarathiSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +23,7 @@ def local_spec() -> dict:
 
 
 def test_printed_snippet_plans_as_the_profile_file():
-    snippet = yaml.safe_load(spec_snippet(BenchCostModel.load(PROFILE).coefficients))
+    snippet = yaml.safe_load(spec_snippet(FittedCostModel.load(PROFILE).coefficients))
     spec = local_spec()
     spec.setdefault("controller", {}).update(snippet["spec"]["controller"])
     model = loop_inputs(SarathiSpec.model_validate(spec)).model
@@ -48,9 +47,3 @@ def test_a_cost_model_needs_a_positive_constant():
     spec.setdefault("controller", {})["costModel"] = {"prefillTokens": 1e-3}
     with pytest.raises(ValidationError, match="costModel.const"):
         SarathiSpec.model_validate(spec)
-
-
-def test_snippet_says_when_the_fit_has_no_constant():
-    text = spec_snippet({"const": 0.0, "prefill_tokens": 2e-3, "decode_attn": 0.0})
-    assert "prefillTokens: 0.002" in text and "decodeAttn" not in text
-    assert "needs const > 0" in text

@@ -9,8 +9,9 @@ from controller_factories import CHAT_SLO, SUMM_SLO, make_config, make_snapshot,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stallfree.costmodel.model import BUILTIN, LinearCostModel
+from stallfree.costmodel.planning import budget_for_time
 from stallfree.operator.controller import ClusterSnapshot, Snapshot, State, decide
-from stallfree.operator.controller.cost_model import BUILTIN, LinearCostModel, budget_for_time
 from stallfree.operator.controller.decide import initial_settings
 from stallfree.operator.controller.types import (
     HOLD,

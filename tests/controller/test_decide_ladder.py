@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from controller_factories import make_config, make_snapshot, make_specs
 
+from stallfree.costmodel.model import BUILTIN, LinearCostModel
 from stallfree.operator.controller import State
-from stallfree.operator.controller.cost_model import BUILTIN, LinearCostModel
 from stallfree.operator.controller.decide import conclude, initial_settings, next_interval
 from stallfree.operator.controller.escalation import escalate
 from stallfree.operator.controller.reading import read

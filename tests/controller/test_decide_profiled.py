@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decide import configs, snapshots
 
-from stallfree.bench.costmodel import CostModel as BenchCostModel
+from stallfree.costmodel.fitted import FittedCostModel
+from stallfree.costmodel.model import LinearCostModel, ProfiledCostModel
 from stallfree.operator.controller import State, decide
-from stallfree.operator.controller.cost_model import LinearCostModel, ProfiledCostModel
 from stallfree.operator.controller.decide import initial_settings
 from stallfree.operator.controller.types import HOLD, LOWER, RAISE, RESTORE, SHED, Slo
 
@@ -25,7 +25,7 @@ def test_prompt_end_charges_the_last_chunk_of_a_prompt_as_the_profile_measured_i
     """With prompt_end, the prefill tokens are the last chunk of that prompt: the same features the
     profiler fits (a chunk starting at prompt_end - p); longer than the prompt, whole prompts; without it,
     the mean over a prompt of `context` tokens."""
-    fit = BenchCostModel(dict(const=0.05, prefill_tokens=2e-3, decode_tokens=4e-3, prefill_attn=2e-6,
+    fit = FittedCostModel(dict(const=0.05, prefill_tokens=2e-3, decode_tokens=4e-3, prefill_attn=2e-6,
                               decode_attn=2e-5, prefill_chunks=0.01))  # fmt: skip
     model = ProfiledCostModel(fit)
     for p, d, c, end in ((256, 8, 900, 2000), (1000, 0, 0, 1000), (64, 30, 3000, 64)):

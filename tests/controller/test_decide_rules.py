@@ -11,9 +11,9 @@ import re
 import pytest
 from controller_factories import CHAT_SLO, SUMM_SLO, make_config, make_profile, make_snapshot, make_specs
 
+from stallfree.costmodel.model import BUILTIN, LinearCostModel
 from stallfree.operator.controller import State
 from stallfree.operator.controller import rules as R
-from stallfree.operator.controller.cost_model import BUILTIN, LinearCostModel
 from stallfree.operator.controller.decide import RULES, initial_settings
 from stallfree.operator.controller.decide import __doc__ as POLICY
 from stallfree.operator.controller.reading import read

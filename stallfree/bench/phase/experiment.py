@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stallfree.costmodel.model import ProfiledCostModel
 from stallfree.operator.controller.config import raise_memory
-from stallfree.operator.controller.cost_model import ProfiledCostModel
 from stallfree.operator.controller.decide import decide, initial_settings
 from stallfree.operator.controller.types import (
     ClusterSnapshot,
@@ -121,8 +121,8 @@ def run(
 ):
     """One simulated replica; returns records and the controller's timeline. A static run may bound
     clusters' waiting queues (`static_max_waiting`, cluster -> maxWaiting): a hand-set admission limit."""
-    from stallfree.bench.costmodel import iteration_features
     from stallfree.bench.simulator import DEFAULT_KV_BLOCKS
+    from stallfree.costmodel.features import iteration_features
     from stallfree.engine.block_manager import BlockManager
     from stallfree.engine.config import SchedulerConfig, SchedulerTunables, TrafficClusterLimits
     from stallfree.engine.request import Request, RequestStatus
@@ -366,13 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--static-queue-bounds: expected comma-separated integers, got {a.static_queue_bounds!r}")
     if any(w < 1 for w in a.static_queue_bounds):
         p.error("--static-queue-bounds: every bound must be >= 1")
-    from stallfree.bench.costmodel import CostModel
+    from stallfree.costmodel.fitted import FittedCostModel
 
     try:
         phases = parse_phases(a.phases)
     except ValueError as e:
         p.error(f"--phases: {e}")
-    fit = CostModel.load(a.cost_model)
+    fit = FittedCostModel.load(a.cost_model)
     specs = (
         ClusterSpec("chat", Slo(a.chat_ttft_slo, a.chat_tbt_slo, a.chat_ttft_slo), priority=10),
         ClusterSpec("summarization", Slo(a.summ_ttft_slo, a.summ_tbt_slo, a.summ_ttft_slo), priority=0),

@@ -1,43 +1,14 @@
-"""The cost model: iteration features, the least-squares fit, JSON round trip."""
+"""The least-squares fit: known coefficients come back, negative ones are dropped, held-out error is real."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from bench_factories import COST, make_cost_model
+from costmodel_factories import COST, Chunk, make_cost_model
 
-from stallfree.bench import costmodel
-from stallfree.bench.costmodel import CostModel, fit, iteration_features, synthetic_features
 from stallfree.bench.profile import fit_with_holdout
-
-
-class Chunk:
-    def __init__(self, num_tokens, start, is_decode):
-        self.num_tokens, self.start, self.is_decode = num_tokens, start, is_decode
-
-
-def test_features_of_a_hybrid_batch():
-    f = iteration_features(
-        [Chunk(1, 99, True), Chunk(1, 49, True), Chunk(64, 0, False), Chunk(32, 128, False)]
-    )
-    assert f["decode_tokens"] == 2
-    assert f["decode_attn"] == 2 * 100  # padded to the longest decode context of their group
-    assert f["prefill_tokens"] == 96
-    assert f["prefill_chunks"] == 2
-    assert f["prefill_attn"] == pytest.approx(64 * 32.5 + 32 * (128 + 16.5))
-    assert f["const"] == 1
-
-
-def test_decode_attn_pads_each_decode_group_to_its_own_longest():
-    # a document at 4,000 tokens and two chats: the chats form their own group (engine.decode_groups)
-    f = iteration_features([Chunk(1, 3999, True), Chunk(1, 99, True), Chunk(1, 79, True)])
-    assert f["decode_attn"] == 4000 + 2 * 100
-
-
-def test_synthetic_features_match_the_real_ones():
-    s = synthetic_features(64, 3, prefill_context=128, decode_context=20)
-    f = iteration_features([Chunk(1, 20, True)] * 3 + [Chunk(64, 128, False)])
-    assert s == pytest.approx(f)
+from stallfree.costmodel.features import iteration_features
+from stallfree.costmodel.fit import fit, relative_errors
 
 
 def _grid(rng, n=120):
@@ -66,7 +37,7 @@ def test_fit_recovers_the_main_coefficients_from_noisy_data():
     model = fit(rows, times)
     for k in ("const", "prefill_tokens", "decode_tokens", "prefill_attn"):
         assert model.coefficients[k] == pytest.approx(COST[k], rel=0.1), k
-    assert np.median(costmodel.relative_errors(model, rows, times)) < 0.02
+    assert np.median(relative_errors(model, rows, times)) < 0.02
 
 
 def test_fit_drops_features_that_would_come_out_negative():
@@ -95,14 +66,3 @@ def test_holdout_error_is_reported_on_points_the_fit_did_not_see():
     assert err["num_held_out"] == 10 and err["num_train"] == 30
     assert sum(p["held_out"] for p in points) == 10
     assert err["held_out"]["max"] < 1e-6
-
-
-def test_save_and_load_round_trip(tmp_path):
-    m = make_cost_model()
-    m.meta = {"model": "x"}
-    m.save(tmp_path / "c.json")
-    back = CostModel.load(tmp_path / "c.json")
-    assert back.coefficients == pytest.approx(m.coefficients) and back.meta["model"] == "x"
-    assert back.iteration_time(128, 4, 0, 100) == pytest.approx(m.iteration_time(128, 4, 0, 100))
-    with pytest.raises(ValueError, match="stallfree profile"):
-        CostModel.load(tmp_path / "missing.json")

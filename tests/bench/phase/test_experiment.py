@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from stallfree.bench.costmodel import CostModel
-from stallfree.operator.controller import phase_experiment as pe
+from stallfree.bench.phase import experiment as pe
+from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Slo
 
 pytestmark = pytest.mark.usefixtures("traces_available")
@@ -20,7 +20,7 @@ def traces_available():
 
     try:
         load_trace("arxiv")
-    except (FileNotFoundError, ValueError) as e:  # the shared traces are part of the test set-up
+    except (FileNotFoundError, ValueError) as e:  # they ship in data/traces/
         pytest.fail(f"traces missing: {e}")
 
 
@@ -71,7 +71,7 @@ def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
     """A synthetic cost model with a large fixed cost per iteration: chat + long prompts need a small budget
     for chat's TBT, the document-only phase needs a large one to keep up. The adaptive run must go down in
     the first phase and up in the second, and no static budget may beat it."""
-    model = CostModel(
+    model = FittedCostModel(
         {
             "const": 0.05,
             "prefill_tokens": 0.0004,
@@ -110,9 +110,9 @@ def test_short_run_moves_the_budget_the_right_way_in_each_phase(tmp_path):
     assert res["seeds"]["recovered_within_3"]["of"] == len(s["recovery_intervals"])
 
 
-def _overload_model() -> CostModel:
+def _overload_model() -> FittedCostModel:
     """A synthetic profile under which 2.4 documents/s are far beyond any budget of one replica."""
-    return CostModel({"const": 0.05, "prefill_tokens": 0.0004, "decode_tokens": 0.002, "prefill_attn": 0.0,
+    return FittedCostModel({"const": 0.05, "prefill_tokens": 0.0004, "decode_tokens": 0.002, "prefill_attn": 0.0,
                       "decode_attn": 0.0, "prefill_chunks": 0.02})  # fmt: skip
 
 

@@ -1,0 +1,89 @@
+"""An iteration's features, the terms the cost model is linear in:
+
+    T = a + b * prefill_tokens + c * decode_tokens + d * prefill_attn + e * decode_attn + f * prefill_chunks
+
+  prefill_tokens   tokens of prefill chunks in the batch (the linear layers' work)
+  decode_tokens    running decodes (one token each; includes sampling one token)
+  prefill_attn     query-key pairs of the prefill chunks: sum over chunks of n * (start + (n + 1) / 2)
+  decode_attn      key positions the decodes attend to, padding included: the torch backend pads each
+                   group of decodes to its longest history (stallfree.engine.decode_groups)
+  prefill_chunks   number of prefill chunks (per-chunk attention calls and metadata)
+
+Three ways to get them: `iteration_features` from the scheduler's chunks (what ran: the profiler and the
+simulator), `synthetic_features` for one hypothetical chunk at a known offset (tune), and
+`planning_features` for the controller's aggregate view (token counts and a mean context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from stallfree.engine.decode_groups import padded_decode_area
+
+FEATURES = ("const", "prefill_tokens", "decode_tokens", "prefill_attn", "decode_attn", "prefill_chunks")
+
+
+def iteration_features(chunks: Iterable) -> dict[str, float]:
+    """Features of one iteration from the scheduler's chunks (anything with num_tokens, start, is_decode)."""
+    f = dict.fromkeys(FEATURES, 0.0)
+    f["const"] = 1.0
+    decode_lens: list[int] = []
+    for c in chunks:
+        n = c.num_tokens
+        if c.is_decode:
+            decode_lens.append(c.start + 1)
+        else:
+            f["prefill_tokens"] += n
+            f["prefill_attn"] += n * (c.start + (n + 1) / 2)
+            f["prefill_chunks"] += 1
+    f["decode_tokens"] = float(len(decode_lens))
+    f["decode_attn"] = float(padded_decode_area(decode_lens))
+    return f
+
+
+def synthetic_features(
+    prefill_tokens: int, decode_tokens: int, prefill_context: int = 0, decode_context: int = 0
+) -> dict[str, float]:
+    """Features of a hypothetical iteration: one prefill chunk at `prefill_context`, decodes at
+    `decode_context` (for tuning and planning)."""
+    n = prefill_tokens
+    return {
+        "const": 1.0,
+        "prefill_tokens": float(n),
+        "decode_tokens": float(decode_tokens),
+        "prefill_attn": n * (prefill_context + (n + 1) / 2) if n else 0.0,
+        "decode_attn": float(decode_tokens * (decode_context + 1)) if decode_tokens else 0.0,
+        "prefill_chunks": 1.0 if n else 0.0,
+    }
+
+
+def prefill_context(p: float, context: float, prompt_end: float | None) -> float:
+    """Mean tokens a prefill token attends to: half the prompt on average over a prompt of `context`
+    tokens; for the last `p` tokens of a `prompt_end`-token prompt, prompt_end - (p - 1)/2, as the profiler
+    counts them (several whole prompts when the chunk is longer than one)."""
+    if prompt_end is None:
+        return context / 2
+    end = max(prompt_end, 0.0)
+    return end - (min(p, end) - 1) / 2
+
+
+def planning_features(
+    p: float, d: float, context: float, prompt_end: float | None = None
+) -> dict[str, float]:
+    """Features of an iteration the controller plans: `p` prefill and `d` decode tokens (non-negative) at a
+    mean context of `context` tokens.
+
+    Decodes attend over `context` tokens each. A prefill token attends, on average over its prompt, to half
+    the prompt before it, whatever the chunking (a prompt of P tokens costs P^2/2 query-key pairs in one
+    chunk or in many), so prefill attention is charged at context/2 per token. Treating a budget-sized
+    chunk as one prompt starting at 0 instead would charge budget/2 per token and make budgets larger
+    than the prompts look slower than they are. With `prompt_end`, the prefill tokens are the last chunk of
+    a prompt that long (its slowest chunk)."""
+    return {
+        "const": 1.0,
+        "prefill_tokens": p,
+        "prefill_attn": p * prefill_context(p, context, prompt_end),
+        "prefill_chunks": 1.0 if p > 0 else 0.0,
+        "decode_tokens": d,
+        "decode_attn": d * (context + 1) if d > 0 else 0.0,
+    }
