@@ -190,7 +190,8 @@ class Scheduler:
     def _allocate_running(self, req: Request, num_tokens: int, batch: _Batch) -> bool:
         """Make room for a running request, preempting the least important unscheduled others.
 
-        Returns False if `req` itself had to be preempted.
+        Returns False if `req` cannot run this iteration: it was preempted itself (nothing less important
+        could give way), or it waits, keeping its blocks, for a less important in-flight request to land.
         """
         while not self.block_manager.allocate(req.request_id, num_tokens):
             victims = [
@@ -199,6 +200,11 @@ class Scheduler:
                 if r is not req and r.request_id not in batch.scheduled and r.request_id not in self.in_flight
             ]
             if not victims:
+                if any(self._key(r) > self._key(req) for r in self.running if r.request_id in self.in_flight):
+                    # NOTE: a less important request holds blocks but is in flight (pipeline parallelism):
+                    # wait for it to land and preempt it then. Preempting `req` instead threw its progress
+                    # away, and two long prompts could take turns doing that to each other forever.
+                    return False
                 self._preempt(req, batch)
                 return False
             self._preempt(max(victims, key=self._key), batch)

@@ -83,3 +83,14 @@ def test_aborting_an_in_flight_request_clears_it():
     sched.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
     assert not sched.in_flight
     sched.complete(out)  # the micro-batch coming back later is harmless
+
+
+def test_two_long_prompts_that_do_not_fit_together_both_finish_under_pipelining():
+    # Found by the property test above: 24 blocks hold one 241-token prompt (16 blocks) but not two, and with
+    # three micro-batches in flight each prompt used to preempt itself whenever the other was in flight, so
+    # they took turns throwing their progress away. The earlier one now waits for the later one to land.
+    sched = make_scheduler(policy="sarathi", token_budget=33, num_blocks=24, max_num_seqs=8)
+    reqs = [make_request(n, max_tokens=2, arrival=float(i)) for i, n in enumerate([1, 241, 1, 241, 128])]
+    run_pipelined(sched, reqs, depth=3)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert sched.block_manager.num_free_blocks == 24
