@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
 from dataclasses import replace
 
 from engine_helpers import prompt_ids
 
 from stallfree.engine import LLM, SamplingParams
+from stallfree.engine.parallel.executor import free_port
 from stallfree.engine.scheduler import Scheduler
 
 TOP = 20  # first-token log-probabilities compared: the 20 most likely tokens
@@ -37,3 +42,32 @@ def run(llm: LLM, prompts, max_tokens: int = 6):
 
 def prompts_for(tokenizer, lengths):
     return [prompt_ids(tokenizer, n)[k:] for k, n in enumerate(lengths)]
+
+
+@contextmanager
+def two_local_nodes(monkeypatch):
+    """A follower `stallfree serve --tensor-parallel-size 2` running rank 1 as node 1 of 2, with this process
+    set up as the leader (node 0). Yields the follower; it must exit cleanly once the leader shuts down."""
+    env = {
+        "STALLFREE_NUM_NODES": "2",
+        "STALLFREE_LEADER_ADDRESS": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "STALLFREE_CONTROL_PORT": str(free_port()),
+        "STALLFREE_PARALLEL_AUTHKEY": "test-secret",
+        "OMP_NUM_THREADS": "1",
+    }
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "stallfree", "serve", "--tensor-parallel-size", "2"],
+        env={**os.environ, **env, "STALLFREE_NODE_RANK": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for k, v in {**env, "STALLFREE_NODE_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        yield follower
+    finally:
+        if follower.poll() is None:
+            follower.kill()

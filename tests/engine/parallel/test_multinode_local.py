@@ -2,47 +2,20 @@
 and a follower started as `stallfree serve --tensor-parallel-size 2` with STALLFREE_NODE_RANK=1, which runs
 rank 1 only (it loads the model itself and serves no HTTP). TP=2 across them matches TP=1."""
 
-import os
-import subprocess
-import sys
-
 import pytest
-from parallel_helpers import make_parallel_llm, prompts_for, run
-
-from stallfree.engine.parallel.executor import free_port
+from parallel_helpers import make_parallel_llm, prompts_for, run, two_local_nodes
 
 
 @pytest.mark.slow
 def test_two_local_nodes_match_single_process(default_model, monkeypatch):
-    env = {
-        "STALLFREE_NUM_NODES": "2",
-        "STALLFREE_LEADER_ADDRESS": "127.0.0.1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "STALLFREE_CONTROL_PORT": str(free_port()),
-        "STALLFREE_PARALLEL_AUTHKEY": "test-secret",
-        "OMP_NUM_THREADS": "1",
-    }
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "stallfree", "serve", "--tensor-parallel-size", "2"],
-        env={**os.environ, **env, "STALLFREE_NODE_RANK": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    for k, v in {**env, "STALLFREE_NODE_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
     prompts = prompts_for(default_model.tokenizer, [17, 120])
-    try:
+    with two_local_nodes(monkeypatch) as follower:
         ref = run(make_parallel_llm(default_model, token_budget=64), prompts)
         llm = make_parallel_llm(default_model, tp=2, token_budget=64)
         assert sorted(llm.engine.executor.procs) == [0]  # rank 1 lives on the other "node"
         got = run(llm, prompts)
         llm.engine.shutdown()
         assert follower.wait(timeout=60) == 0, follower.stdout.read()
-    finally:
-        if follower.poll() is None:
-            follower.kill()
     for (lp, toks), (ref_lp, ref_toks) in zip(got, ref, strict=True):
         assert toks == ref_toks
         common = set(lp) & set(ref_lp)

@@ -6,15 +6,11 @@ what one process computes with the same seed."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from parallel_helpers import run
+from parallel_helpers import run, two_local_nodes
 
 from stallfree.engine import LLM
-from stallfree.engine.parallel.executor import free_port
 
 SMALL = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -35,33 +31,12 @@ def test_a_remote_rank_builds_the_same_random_weights(tmp_path, monkeypatch):
     ref = run(dummy_llm(str(config)), PROMPTS)
     other_seed = run(dummy_llm(str(config), seed=8), PROMPTS)
     assert [lp for lp, _ in other_seed] != [lp for lp, _ in ref]  # the seed is what makes them agree
-    env = {
-        "STALLFREE_NUM_NODES": "2",
-        "STALLFREE_LEADER_ADDRESS": "127.0.0.1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "STALLFREE_CONTROL_PORT": str(free_port()),
-        "STALLFREE_PARALLEL_AUTHKEY": "test-secret",
-        "OMP_NUM_THREADS": "1",
-    }
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "stallfree", "serve", "--tensor-parallel-size", "2"],
-        env={**os.environ, **env, "STALLFREE_NODE_RANK": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    for k, v in {**env, "STALLFREE_NODE_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    try:
+    with two_local_nodes(monkeypatch) as follower:
         llm = dummy_llm(str(config), tp=2)
         assert sorted(llm.engine.executor.procs) == [0]  # rank 1 lives on the other "node"
         got = run(llm, PROMPTS)
         llm.engine.shutdown()
         assert follower.wait(timeout=60) == 0, follower.stdout.read()
-    finally:
-        if follower.poll() is None:
-            follower.kill()
     for (lp, toks), (ref_lp, ref_toks) in zip(got, ref, strict=True):
         assert toks == ref_toks
         assert max(abs(lp[t] - ref_lp[t]) for t in set(lp) & set(ref_lp)) < 2e-3
