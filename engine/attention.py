@@ -242,11 +242,11 @@ class FlashInferAttention:
 
 
 def make_attention(backend: str, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
-    """`auto` picks flashinfer on CUDA when it is installed, else the torch backend."""
+    """`auto` picks flashinfer on CUDA in bf16/fp16 when it is installed (it has no fp32 kernels), else torch."""
     on_cuda = cache.k[0].is_cuda
     if backend == "auto":
         backend = "torch"
-        if on_cuda:
+        if on_cuda and cache.k[0].dtype != torch.float32:
             try:
                 import flashinfer  # noqa: F401, PLC0415
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from stallfree.engine.attention import KVCache
 from stallfree.engine.cuda_batch import HostBatch
+from stallfree.engine.kernels import fused
 from stallfree.engine.kernels.paged_attention import decode_splits, paged_decode, paged_prefill
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,8 @@ class DeviceBatch:
 
 
 def store_kv(cache: KVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    from stallfree.engine.kernels.fused import store_kv as store  # noqa: PLC0415
-
     kf, vf = cache.flat(layer)
-    store(k, v, kf, vf, slots)
+    fused.store_kv(k, v, kf, vf, slots)
 
 
 class TritonAttention:

@@ -68,28 +68,25 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
         n = c.num_tokens
         kv_len = c.start + n
         pages = -(-kv_len // block_size)
-        if n == 1:
+        if c.is_decode:
             pos[row] = c.start
             slots[row] = c.block_table[c.start // block_size] * block_size + c.start % block_size
-        else:
-            p = np.arange(c.start, kv_len, dtype=np.int64)
-            pos[row : row + n] = p
-            table = np.asarray(c.block_table[:pages], dtype=np.int64)
-            slots[row : row + n] = table[p // block_size] * block_size + p % block_size
-        if c.is_decode:
             dec_lens.append(kv_len)
             dec_rows.append(c.block_table)
             dec_pages.append(pages)
         else:
+            p = np.arange(kv_len, dtype=np.int64)
+            table = np.asarray(c.block_table[:pages], dtype=np.int64)
+            history = table[p // block_size] * block_size + p % block_size  # (kv_len,) slots
+            pos[row : row + n] = p[c.start :]
+            slots[row : row + n] = history[c.start :]  # the chunk's own tokens end its history
+            hist.append(history)
+            hist_offsets.append(hist_offsets[-1] + kv_len)
             q_starts.append(row)
             q_lens.append(n)
             ctx.append(c.start)
             pre_rows.append(c.block_table)
             pre_pages.append(pages)
-            p = np.arange(kv_len, dtype=np.int64)
-            table = np.asarray(c.block_table[:pages], dtype=np.int64)
-            hist.append(table[p // block_size] * block_size + p % block_size)
-            hist_offsets.append(hist_offsets[-1] + kv_len)
         row += n
         if c.sample:
             sample_rows.append(row - 1)  # the chunk's last token predicts the next one

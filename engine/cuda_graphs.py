@@ -65,7 +65,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         r, d = self.runner, self.dev
         attend = r.attention.decode_fn(
-            d["slots"][:size], d["tables"][:size], d["lens"][:size], r.splits(size)
+            d["slots"][:size], d["tables"][:size], d["lens"][:size], r.attention.splits(size)
         )
         hidden = r.model(d["ids"][:size], d["pos"][:size], attend)  # (size, C)
         return r.model.compute_logits(hidden)  # (size, V) float32

@@ -68,7 +68,6 @@ class CudaModelRunner:
         self.attention = make_cuda_attention(attention_backend, self.cache, num_heads, num_kv_heads, head_dim)
         self.sampler = GpuSampler(stop_token_ids, seed=seed, device=device)
         self.stager = Stager(device)
-        self.max_num_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // block_size)
         model.fused_kernels = True  # type: ignore[assignment]
         use_graphs = cuda_graphs and attention_backend == "triton" and device.type == "cuda"
@@ -77,10 +76,6 @@ class CudaModelRunner:
         )
         pieces = piecewise_sizes(max_graph_tokens)
         self.piecewise = PiecewiseGraphs(self, pieces) if use_graphs and pieces else None
-
-    def splits(self, padded_batch: int) -> int:
-        """Split-KV count for decodes; a function of the padded batch size only, so graphs and eager agree."""
-        return self.attention.splits(padded_batch)
 
     def warm_up(self) -> float:
         """Compile every kernel and capture the decode graphs before the engine reports ready; seconds taken."""
@@ -176,7 +171,8 @@ class CudaModelRunner:
                 hb.prefill_hist_slots, hb.sample_rows,
             ]
         )  # fmt: skip
-        splits = self.splits(self._padded(D)) if D else 1
+        # NOTE: split-KV counts depend on the padded batch size only, so graphs and eager agree.
+        splits = self.attention.splits(self._padded(D)) if D else 1
         batch = DeviceBatch(hb, slots, dlens, dtables, splits, qs, ql, ctx, ptables, hist)
         t1 = time.perf_counter()
         if self.piecewise is not None and self.piecewise.padded(hb.num_tokens) is not None:

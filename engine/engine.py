@@ -136,7 +136,6 @@ class LLMEngine:
                     "the %s attention backend could not build its kernels (%s: %s); using the torch backend",
                     backend, type(e).__name__, e,
                 )  # fmt: skip
-                self.loaded.model.fused_kernels = False  # type: ignore[assignment]
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
         return self._torch_runner()

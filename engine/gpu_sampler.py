@@ -50,11 +50,10 @@ class GpuSampler(Sampler):
                 vals, ids = torch.topk(logprobs, k, dim=-1)  # (N, k)
                 parts += [ids.double(), vals.double()]
         host = torch.cat(parts, dim=1).cpu()  # NOTE: the iteration's one synchronisation
-        return [self._result(host[i], r, k, need_lp) for i, r in enumerate(reqs)]
+        return [self._result(row, r, k, need_lp) for row, r in zip(host.tolist(), reqs, strict=True)]
 
     @staticmethod
-    def _result(row: torch.Tensor, req: SampleRequest, k: int, need_lp: bool) -> SampleResult:
-        vals = row.tolist()
+    def _result(vals: list[float], req: SampleRequest, k: int, need_lp: bool) -> SampleResult:
         tok = int(vals[0])
         if not need_lp or req.params.logprobs is None:
             return SampleResult(tok)
