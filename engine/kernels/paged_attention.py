@@ -52,6 +52,28 @@ if triton is not None:
         else:
             return tl.dot(a, b)
 
+    @triton.jit
+    def _attend_tile(
+        q, k_ptr, v_ptr, table_ptr, pos, pmask, allowed, m_i, l_i, acc,
+        stride_kb, stride_ks, stride_kh, h, scale_log2e,
+        HD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        """One online-softmax step over the keys at positions `pos` (read through one block table row):
+        rows of q (R, HD) see the keys where `allowed` (R, N) holds. Returns the updated (m_i, l_i, acc)."""
+        d = tl.arange(0, HD)
+        page = tl.load(table_ptr + pos // BS, mask=pmask, other=0).to(tl.int64)
+        off = page * stride_kb + (pos % BS) * stride_ks + h * stride_kh  # (N,)
+        k = tl.load(k_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)  # (N, HD)
+        qk = _dot(q, tl.trans(k), IEEE, UPCAST)
+        qk = tl.where(allowed, qk * scale_log2e, float("-inf"))  # (R, N), log2 units
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
+        return m_new, l_i, acc
+
     # Table widths change every iteration: not specialising on them avoids recompiling while serving.
     @triton.jit(do_not_specialize=["stride_tb"])
     def _decode_split_kernel(
@@ -81,19 +103,10 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pmask = pos < end
-            page = tl.load(tables_ptr + b * stride_tb + pos // BS, mask=pmask, other=0).to(tl.int64)
-            off = page * stride_kb + (pos % BS) * stride_ks + h * stride_kh  # (BLOCK_N,)
-            k = tl.load(k_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)  # (BLOCK_N, HD)
-            qk = _dot(q, tl.trans(k), IEEE, UPCAST)
-            qk = tl.where(pmask[None, :], qk * scale_log2e, float("-inf"))  # (GP, BLOCK_N), log2 units
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-            pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, tables_ptr + b * stride_tb, pos, pmask, pmask[None, :], m_i, l_i, acc,
+                stride_kb, stride_ks, stride_kh, h, scale_log2e, HD, BS, IEEE, UPCAST,
+            )  # fmt: skip
         nonempty = end > start
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -154,20 +167,11 @@ if triton is not None:
             for n0 in range(0, kv_end, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)
                 pmask = pos < kv_end
-                page = tl.load(tables_ptr + c * stride_tb + pos // BS, mask=pmask, other=0).to(tl.int64)
-                off = page * stride_kb + (pos % BS) * stride_ks + h * stride_kh
-                k = tl.load(k_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-                qk = _dot(q, tl.trans(k), IEEE, UPCAST)
                 allowed = (pos[None, :] <= qpos[:, None]) & pmask[None, :]
-                qk = tl.where(allowed, qk * scale_log2e, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + off[:, None] + d[None, :], mask=pmask[:, None], other=0.0)
-                pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(
+                    q, k_ptr, v_ptr, tables_ptr + c * stride_tb, pos, pmask, allowed, m_i, l_i, acc,
+                    stride_kb, stride_ks, stride_kh, h, scale_log2e, HD, BS, IEEE, UPCAST,
+                )  # fmt: skip
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(
                 out_ptr + qrow[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + d[None, :],
