@@ -41,7 +41,7 @@ def _engine(loaded, budget: int, policy: str = "sarathi", blocks: int = 2048) ->
     return LLMEngine(cfg, loaded=loaded)
 
 
-def _ids(engine: LLMEngine, n: int, salt: int = 0) -> list[int]:
+def synthetic_ids(engine: LLMEngine, n: int, salt: int = 0) -> list[int]:
     vocab = engine.model_config.vocab_size
     return [(1009 * (i + 1) + 7919 * salt) % (vocab - 300) + 100 for i in range(n)]
 
@@ -52,7 +52,7 @@ def prefill_time(engine: LLMEngine, n: int) -> tuple[float, float]:
     NOTE: with one torch thread the step runs on this thread, so its CPU time is the work itself and is
     not inflated by other processes on a shared box, unlike wall time.
     """
-    engine.add_request("p", _ids(engine, n), SamplingParams(max_tokens=1, temperature=0.0))
+    engine.add_request("p", synthetic_ids(engine, n), SamplingParams(max_tokens=1, temperature=0.0))
     t0, c0 = time.perf_counter(), time.thread_time()
     while engine.has_unfinished_requests():
         engine.step()
@@ -64,11 +64,13 @@ def decode_iterations(engine: LLMEngine, batch: int, context: int, steps: int, e
     iterations. With extra_prompt > 0 a long prompt arrives once they decode, so iterations are hybrid."""
     sp = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for b in range(batch):
-        engine.add_request(f"d{b}", _ids(engine, context, salt=b + 1), sp)
+        engine.add_request(f"d{b}", synthetic_ids(engine, context, salt=b + 1), sp)
     while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     if extra_prompt:
-        engine.add_request("long", _ids(engine, extra_prompt, salt=999), SamplingParams(max_tokens=1))
+        engine.add_request(
+            "long", synthetic_ids(engine, extra_prompt, salt=999), SamplingParams(max_tokens=1)
+        )
     stats = []
     for _ in range(steps):
         c0 = time.thread_time()

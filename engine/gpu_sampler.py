@@ -23,7 +23,6 @@ class GpuSampler(Sampler):
 
     def sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampleResult]:
         """logits: (N, V) float32 on the device, one row per request in `reqs`."""
-        n, vocab = logits.shape
         dev = logits.device
         logits = logits.float()
         ban_rows, ban_cols = [], []

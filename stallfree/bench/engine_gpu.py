@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from stallfree.engine.bench import synthetic_ids
 from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulerTunables
 from stallfree.engine.engine import LLMEngine
 from stallfree.engine.model.loader import LoadedModel
@@ -91,10 +92,6 @@ class Floors:
         return (2 * self.layer_params * n + attn) / (MATMUL_TFLOPS * 1e12) * 1e3
 
 
-def _ids(vocab: int, n: int, salt: int) -> list[int]:
-    return [(1009 * (i + 1) + 7919 * salt) % (vocab - 300) + 100 for i in range(n)]
-
-
 def _timed_step(engine: LLMEngine, plan: Plan) -> float:
     _sync(plan)
     t0 = time.perf_counter()
@@ -110,9 +107,8 @@ def _drain(engine: LLMEngine) -> None:
 
 def _start_decodes(engine: LLMEngine, batch: int, context: int) -> None:
     sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
     for b in range(batch):
-        engine.add_request(f"d{b}", _ids(vocab, context, b + 1), sp)
+        engine.add_request(f"d{b}", synthetic_ids(engine, context, b + 1), sp)
     while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
 
@@ -134,7 +130,7 @@ def bench_decode(engine: LLMEngine, floors: Floors, reps: int, plan: Plan) -> di
 def _prefill_once(engine: LLMEngine, budget: int, salt: int, plan: Plan) -> tuple[float, list[float]]:
     """Wall time to prefill one plan.prompt-token prompt (and sample its first token); per-iteration times."""
     engine.set_tunables(SchedulerTunables(token_budget=budget))
-    ids = _ids(engine.model_config.vocab_size, plan.prompt, salt)
+    ids = synthetic_ids(engine, plan.prompt, salt)
     engine.add_request(f"p{salt}", ids, SamplingParams(max_tokens=1))
     steps = []
     while engine.has_unfinished_requests():
@@ -160,7 +156,6 @@ def bench_prefill(engine: LLMEngine, floors: Floors, reps: int, plan: Plan) -> d
 
 def bench_hybrid(engine: LLMEngine, reps: int, plan: Plan) -> dict:
     """Iterations of decodes plus a chunk vs the same chunks alone (same positions, same prompt)."""
-    vocab = engine.model_config.vocab_size
     decodes, chunk = plan.hybrid_decodes, plan.hybrid_chunk
     alone, hybrid = [], []
     for r in range(reps):
@@ -169,7 +164,7 @@ def bench_hybrid(engine: LLMEngine, reps: int, plan: Plan) -> dict:
         engine.set_tunables(SchedulerTunables(token_budget=8192))
         _start_decodes(engine, decodes, plan.context)
         engine.set_tunables(SchedulerTunables(token_budget=decodes + chunk))
-        engine.add_request("long", _ids(vocab, plan.prompt, 100 + r), SamplingParams(max_tokens=1))
+        engine.add_request("long", synthetic_ids(engine, plan.prompt, 100 + r), SamplingParams(max_tokens=1))
         steps = []
         while engine.scheduler.get("long") is not None:
             steps.append(_timed_step(engine, plan))
@@ -219,7 +214,7 @@ def count_launches(engine: LLMEngine, plan: Plan) -> dict:
     engine.step()
     decode = counts(engine.step)
     engine.set_tunables(SchedulerTunables(token_budget=plan.hybrid_decodes + plan.hybrid_chunk))
-    ids = _ids(engine.model_config.vocab_size, plan.prompt, 7)
+    ids = synthetic_ids(engine, plan.prompt, 7)
     engine.add_request("long", ids, SamplingParams(max_tokens=1))
     engine.step()
     hybrid = counts(engine.step)
