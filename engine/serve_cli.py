@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stallfree.engine.config import DTYPES, LOAD_FORMATS, POLICIES
+from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="auto: on CUDA the "
+                   "Triton kernels in bf16/fp16 and torch in fp32, torch on CPU; flashinfer needs nvcc at first "
+                   "use (docs/gpu.md)")  # fmt: skip
+    m.add_argument("--enforce-eager", action="store_true", help="CUDA: run every iteration without CUDA "
+                   "graphs (slower; for debugging)")  # fmt: skip
     m.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks (worker processes)"
     )
@@ -198,6 +203,8 @@ def build_configs(args: argparse.Namespace):
         load_format=load_format,
         dtype=args.dtype,
         device=args.device,
+        attention_backend=args.attention_backend,
+        cuda_graphs=not args.enforce_eager,
         max_model_len=args.max_model_len,
         seed=args.seed,
         parallel=parallel,

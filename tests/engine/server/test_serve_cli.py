@@ -108,3 +108,12 @@ def test_scheduling_flags_reach_the_engine_config():
     args = build_parser().parse_args(["--no-hybrid-batching"])
     config, _ = build_configs(args)
     assert config.scheduler.hybrid_batching is False  # the paper's chunking-only ablation
+
+
+def test_attention_backend_and_enforce_eager_reach_the_engine_config():
+    from stallfree.engine.serve_cli import build_configs, build_parser
+
+    config, _ = build_configs(build_parser().parse_args([]))
+    assert config.attention_backend == "auto" and config.cuda_graphs is True
+    config, _ = build_configs(build_parser().parse_args(["--attention-backend", "triton", "--enforce-eager"]))
+    assert config.attention_backend == "triton" and config.cuda_graphs is False
