@@ -158,7 +158,7 @@ class ParallelExecutor:
             try:
                 conn.send(msg)
             except (OSError, EOFError) as e:
-                raise self._fail(f"worker rank {rank} is unreachable ({type(e).__name__})") from e
+                raise self._fail(self._death(rank, f"is unreachable ({type(e).__name__})")) from e
 
     def _gather(self, kind: str, timeout_s: float) -> dict:
         out: dict = {}
