@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("stallfree.bench.profile", "profile iteration time and fit a cost model"),
     "tune": ("stallfree.bench.tune", "derive a token budget from a TBT SLO and a cost model"),
     "simulate": ("stallfree.bench.simulate", "discrete-event simulation with the real scheduler"),
+    "capacity-study": (
+        "stallfree.bench.capacity_study",
+        "the paper's capacity table from a cost model: SLOs, budgets, capacities, ratios (simulator)",
+    ),
     "engine-bench": (
         "stallfree.engine.bench",
         "engine micro-benchmarks: chunking overhead, decode, overhead",

@@ -196,8 +196,8 @@ def _plot(points: list[dict], out: Path) -> Path:
     return path
 
 
-def _print_saved(out: Path, png: Path, model: FittedCostModel) -> None:
-    print(f"\nsaved {out / 'cost_model.json'}, {out / 'profile.json'}, {png}")
+def _print_saved(out: Path, png: Path, model: FittedCostModel, name: str = "cost_model.json") -> None:
+    print(f"\nsaved {out / name}, {out / 'profile.json'}, {png}")
     print(f"\nfor the budget controller, in the SarathiDeployment:\n{spec_snippet(model.coefficients)}")
 
 
@@ -230,7 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", choices=servedfit.TARGETS, default="period", help="with --from-log: fit "
                     "the period between iteration ends (what a streaming client sees) or the step's own "
                     "wall time (default %(default)s)")  # fmt: skip
+    ap.add_argument("--from-figures", metavar="ENGINE_JSON", default=None, help="fit a GPU cost model to "
+                    "the figures of one `stallfree engine-bench --device cuda` run (engine.json) instead of "
+                    "profiling a grid (stallfree.bench.figuresfit)")  # fmt: skip
+    ap.add_argument("--backend", default=None, help="with --from-figures: the backend row to fit "
+                    "(default: the run's default backend)")  # fmt: skip
+    ap.add_argument("--knee", type=float, default=None, help="with --from-figures: GEMM rows at which "
+                    "compute overtakes the weight read (default: the run's matmul rate / bandwidth)")  # fmt: skip
+    ap.add_argument("--check", metavar="ENGINE_JSON", nargs="*", default=[], help="with --from-figures: "
+                    "also report the model's error on these other runs' figures")  # fmt: skip
+    ap.add_argument("--name", default="cost_model.json", help="file name of the cost model in --out")
     args = ap.parse_args(argv)
+    if args.from_figures:
+        return from_figures(args)
     if args.from_log:
         if not 0 <= args.holdout < 1:
             ap.error("--holdout must be in [0, 1)")
@@ -304,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "units": "seconds per iteration; features as in stallfree.costmodel.features",
     }
     out.mkdir(parents=True, exist_ok=True)
-    model.save(out / "cost_model.json")
+    model.save(out / args.name)
     write_json(out, "profile.json", {"points": points, "cost_model": model.to_json()})
     png = _plot(points, out)
     rows = [[k, f"{v:.4g}"] for k, v in model.coefficients.items()]
@@ -369,6 +381,66 @@ def from_log(args: argparse.Namespace) -> int:
     else:
         print(f"\nfit on {fit_error['num_train']} iterations; too few to hold any out")
     _print_saved(out, png, model)
+    return 0
+
+
+def from_figures(args: argparse.Namespace) -> int:
+    """`--from-figures`: the GPU cost model fitted to one engine-bench run (stallfree.bench.figuresfit)."""
+    from stallfree.bench import figuresfit
+
+    try:
+        doc = figuresfit.load_figures(args.from_figures)
+        model, report = figuresfit.fit_figures(doc, args.backend, args.knee)
+        others = {p: figuresfit.load_figures(p) for p in args.check}
+    except ValueError as e:
+        print(f"stallfree profile: {e}", file=sys.stderr)
+        return 2
+    checks = figuresfit.check_runs(model, others, report["backend"])
+    fe = report["fit_error"]
+    model.meta = {
+        "source": figuresfit.SOURCE_NOTE.format(
+            path=args.from_figures,
+            backend=report["backend"],
+            n=fe["num_held_out"],
+            k=len(report["kernel_rows"]),
+        ),
+        "fitted_to": "engine-bench figures",
+        "figures": args.from_figures,
+        "model": doc.get("model"),
+        "device": doc.get("device_name"),
+        "dtype": doc.get("dtype"),
+        "backend": report["backend"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "fit_error": fe,
+        "clock": "wall",
+        "units": "seconds per iteration; features as in stallfree.costmodel.features (GPU terms: "
+        "decode_kv, gemm_tokens_over_knee)",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save(out / args.name)
+    stem = Path(args.name).stem
+    path = write_json(
+        out, f"{stem}.fit.json", {"cost_model": model.to_json(), **report, "other_runs": checks}
+    )
+    png = figuresfit.plot(report, out)
+    png = png.rename(out / f"{stem}.fit.png")
+    print(table(["feature", "seconds per unit"], [[k, f"{v:.4g}"] for k, v in model.coefficients.items()],
+                title=f"GPU cost model from {args.from_figures} ({report['backend']}; GEMM knee "
+                f"{report['gemm_knee_tokens']:.0f} rows)"))  # fmt: skip
+    rows = [[r["name"], r["iterations"], f"{r['time_s'] * 1e3:.2f}", f"{r['predicted_s'] * 1e3:.2f}",
+             f"{r['predicted_s'] / r['time_s'] - 1:+.1%}",
+             f"{r['held_out_predicted_s'] / r['time_s'] - 1:+.1%}" if "held_out_predicted_s" in r else "-"]
+            for r in report["observations"] + report["kernel_rows"]]  # fmt: skip
+    print(table(["figure", "iterations", "measured ms", "fitted ms", "error", "left-out error"], rows,
+                title="\nresiduals (left-out: fitted without that figure)"))  # fmt: skip
+    tr, ho = fe["train"], fe["held_out"]
+    print(f"\nrelative error on {fe['num_held_out']} timed figures: fitted median {tr['median']:.1%}, max "
+          f"{tr['max']:.1%}; held out (leave-one-out) median {ho['median']:.1%}, max {ho['max']:.1%}")  # fmt: skip
+    for p, c in checks.items():
+        e = c["errors"]
+        print(f"on {p}: median {e['median']:.1%}, max {e['max']:.1%} ({len(c['observations'])} figures)")
+    print(f"\nsaved {out / args.name}, {path}, {png}")
     return 0
 
 

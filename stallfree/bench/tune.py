@@ -46,6 +46,14 @@ def prefill_time(
     return t, n
 
 
+def slo_from_decode(cost: FittedCostModel, multiple: float, decodes: int, context: int) -> float:
+    """The paper's SLO rule: `multiple` x the predicted time of a decode-only iteration of `decodes`
+    requests at `context` tokens (Sarathi-Serve: 5x strict, 25x relaxed, for 32 decodes after a 4K prompt)."""
+    if multiple <= 0 or decodes < 1 or context < 0:
+        raise ValueError("need --tbt-slo-x > 0, --slo-decodes >= 1 and --slo-context >= 0")
+    return multiple * cost.iteration_time(0, decodes, 0, context)
+
+
 def tune(
     cost: FittedCostModel,
     slo: float,
@@ -130,7 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="stallfree tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--tbt-slo", type=float, required=True, help="P99 TBT SLO, seconds")
+    slo = ap.add_mutually_exclusive_group(required=True)
+    slo.add_argument("--tbt-slo", type=float, help="P99 TBT SLO, seconds")
+    slo.add_argument("--tbt-slo-x", type=float, metavar="K", help="P99 TBT SLO = K x a decode-only iteration "
+                     "of --slo-decodes decodes at --slo-context (the paper: 5 strict, 25 relaxed)")  # fmt: skip
+    ap.add_argument("--slo-decodes", type=int, default=32, help="with --tbt-slo-x: decodes in the reference "
+                    "iteration (the paper's: 32)")  # fmt: skip
+    ap.add_argument("--slo-context", type=int, default=4096, help="with --tbt-slo-x: their context (the "
+                    "paper's: a 4K prompt)")  # fmt: skip
     ap.add_argument(
         "--cost-model", default="results/profile/cost_model.json", help="from `stallfree profile`"
     )
@@ -144,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cost = FittedCostModel.load(args.cost_model)
+        if args.tbt_slo_x is not None:
+            args.tbt_slo = slo_from_decode(cost, args.tbt_slo_x, args.slo_decodes, args.slo_context)
         res = tune(
             cost,
             args.tbt_slo,
@@ -160,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res["cost_model"] = args.cost_model
+    if args.tbt_slo_x is not None:
+        res["slo_rule"] = {"multiple": args.tbt_slo_x, "decodes": args.slo_decodes,
+                           "context": args.slo_context, "decode_iteration_s": args.tbt_slo / args.tbt_slo_x}  # fmt: skip
     path = write_json(out, "tune.json", res)
     png = _plot(res, out)
     pick = {res["token_budget"]} if res["token_budget"] else set()

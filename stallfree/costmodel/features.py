@@ -9,6 +9,15 @@
                    group of decodes to its longest history (stallfree.engine.decode_groups)
   prefill_chunks   number of prefill chunks (per-chunk attention calls and metadata)
 
+Two more terms for GPU fits (not in FEATURES, so CPU profiles fit as before):
+
+  decode_kv              key positions the decodes attend to, no padding: the CUDA paged decode kernel reads
+                         each decode's own history (decode_attn counts the torch backend's padding)
+  gemm_tokens_over_knee  max(0, prefill_tokens + decode_tokens - knee), derived by the model from the two
+                         token counts (`gemm_excess`): a GEMM reads every weight however few rows it
+                         multiplies, so below the knee (the GPU's ridge point) extra rows cost ~nothing and
+                         past it each row costs its FLOPs; the constant term carries the weight read
+
 Three ways to get them: `iteration_features` from the scheduler's chunks (what ran: the profiler and the
 simulator), `synthetic_features` for one hypothetical chunk at a known offset (tune), and
 `planning_features` for the controller's aggregate view (token counts and a mean context).
@@ -21,6 +30,8 @@ from collections.abc import Iterable
 from stallfree.engine.decode_groups import padded_decode_area
 
 FEATURES = ("const", "prefill_tokens", "decode_tokens", "prefill_attn", "decode_attn", "prefill_chunks")
+DECODE_KV = "decode_kv"
+GEMM_EXCESS = "gemm_tokens_over_knee"
 
 
 def iteration_features(chunks: Iterable) -> dict[str, float]:
@@ -38,7 +49,14 @@ def iteration_features(chunks: Iterable) -> dict[str, float]:
             f["prefill_chunks"] += 1
     f["decode_tokens"] = float(len(decode_lens))
     f["decode_attn"] = float(padded_decode_area(decode_lens))
+    f[DECODE_KV] = float(sum(decode_lens))
     return f
+
+
+def gemm_excess(features: dict[str, float], knee: float) -> float:
+    """Rows the iteration's GEMMs multiply past `knee` (see the module docstring)."""
+    rows = features.get("prefill_tokens", 0.0) + features.get("decode_tokens", 0.0)
+    return max(0.0, rows - knee)
 
 
 def synthetic_features(
@@ -47,12 +65,14 @@ def synthetic_features(
     """Features of a hypothetical iteration: one prefill chunk at `prefill_context`, decodes at
     `decode_context` (for tuning and planning)."""
     n = prefill_tokens
+    decode_area = float(decode_tokens * (decode_context + 1)) if decode_tokens else 0.0
     return {
         "const": 1.0,
         "prefill_tokens": float(n),
         "decode_tokens": float(decode_tokens),
         "prefill_attn": n * (prefill_context + (n + 1) / 2) if n else 0.0,
-        "decode_attn": float(decode_tokens * (decode_context + 1)) if decode_tokens else 0.0,
+        "decode_attn": decode_area,
+        DECODE_KV: decode_area,
         "prefill_chunks": 1.0 if n else 0.0,
     }
 
@@ -86,4 +106,5 @@ def planning_features(
         "prefill_chunks": 1.0 if p > 0 else 0.0,
         "decode_tokens": d,
         "decode_attn": d * (context + 1) if d > 0 else 0.0,
+        DECODE_KV: d * (context + 1) if d > 0 else 0.0,
     }
