@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from stallfree.bench import servedfit
+from stallfree.bench.figuresfit import GPU_FEATURES
 from stallfree.bench.host import HostWatch, describe
 from stallfree.bench.report import measured_vs_predicted, pyplot, table, write_json
 from stallfree.costmodel.features import iteration_features
@@ -32,6 +33,15 @@ from stallfree.costmodel.fit import fit_held_out
 from stallfree.costmodel.fitted import FittedCostModel, spec_snippet
 from stallfree.engine.config import DTYPES
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
+
+# (decodes, decode contexts, chunks, prefill contexts): a CPU grid for a small model, and a GPU grid for a
+# 7-8B one: batches to 128, chunks to 2048, contexts to 4096 (a prefill context of 4096 puts the chunk's
+# end past 4096, so its attention reaches 6K), ~70 configurations, a few minutes on an H200.
+GRIDS = {
+    "cpu": ("0,8,32", "64,384", "0,64,256,768", "0,512"),
+    "gpu": ("0,8,32,128", "512,4096", "0,128,512,1024,2048", "0,4096"),
+}
+KNEES = tuple(range(0, 513, 16))  # GEMM knees the GPU form tries (rows)
 
 
 def _ints(s: str) -> list[int]:
@@ -153,12 +163,16 @@ def profile_grid(
     return points
 
 
-def fit_with_holdout(points: list[dict], holdout: float, seed: int) -> tuple[FittedCostModel, dict]:
+def fit_with_holdout(
+    points: list[dict], holdout: float, seed: int, form: str = "cpu"
+) -> tuple[FittedCostModel, dict]:
     rng = np.random.default_rng(seed)
     n = len(points)
     test = (
         set(rng.choice(n, size=max(1, int(round(n * holdout))), replace=False).tolist()) if holdout else set()
     )
+    if form == "gpu":
+        return fit_held_out(points, test, GPU_FEATURES, KNEES)
     return fit_held_out(points, test)
 
 
@@ -198,6 +212,11 @@ def _plot(points: list[dict], out: Path) -> Path:
 
 def _print_saved(out: Path, png: Path, model: FittedCostModel, name: str = "cost_model.json") -> None:
     print(f"\nsaved {out / name}, {out / 'profile.json'}, {png}")
+    if model.gemm_knee is not None:  # the CRD's costModel has the CPU form's terms only
+        print(
+            f"\nGPU form (GEMM knee {model.gemm_knee:.0f} rows): give the controller the file, not a spec snippet"
+        )
+        return
     print(f"\nfor the budget controller, in the SarathiDeployment:\n{spec_snippet(model.coefficients)}")
 
 
@@ -210,10 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: fp32 on CPU, "
                     "bf16 on GPU)")  # fmt: skip
-    ap.add_argument("--decodes", default="0,8,32", help="running decodes per iteration")
-    ap.add_argument("--decode-contexts", default="64,384", help="context length of the running decodes")
-    ap.add_argument("--chunks", default="0,64,256,768", help="prefill chunk sizes (tokens)")
-    ap.add_argument("--prefill-contexts", default="0,512", help="tokens already prefilled before the chunk")
+    ap.add_argument("--decodes", default=None, help="running decodes per iteration (default: "
+                    f"{GRIDS['cpu'][0]} on the CPU, {GRIDS['gpu'][0]} on a GPU)")  # fmt: skip
+    ap.add_argument("--decode-contexts", default=None, help="context length of the running decodes "
+                    f"(default: {GRIDS['cpu'][1]} / {GRIDS['gpu'][1]})")  # fmt: skip
+    ap.add_argument("--chunks", default=None, help="prefill chunk sizes, tokens (default: "
+                    f"{GRIDS['cpu'][2]} / {GRIDS['gpu'][2]})")  # fmt: skip
+    ap.add_argument("--prefill-contexts", default=None, help="tokens already prefilled before the chunk "
+                    f"(default: {GRIDS['cpu'][3]} / {GRIDS['gpu'][3]})")  # fmt: skip
+    ap.add_argument("--form", choices=("cpu", "gpu"), default=None, help="cost model form: cpu (the "
+                    "linear terms) or gpu (decode_kv, and a GEMM knee chosen by the fit); default: the "
+                    "device's")  # fmt: skip
     ap.add_argument("--clock", choices=("cpu", "wall"), default=None, help="fit thread CPU time (robust "
                     "on a shared box; needs --threads 1) or wall time (default: cpu on the CPU, wall on a "
                     "GPU, where the thread's CPU time does not see the kernels)")  # fmt: skip
@@ -267,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             "--clock cpu measures the calling thread's CPU time, not the GPU's kernels: use --clock wall"
         )
     torch.set_num_threads(args.threads)
-    decodes, dctx, chunks, pctx = map(
-        _ints, (args.decodes, args.decode_contexts, args.chunks, args.prefill_contexts)
-    )
+    grid = GRIDS["gpu" if on_gpu else "cpu"]
+    given = (args.decodes, args.decode_contexts, args.chunks, args.prefill_contexts)
+    decodes, dctx, chunks, pctx = (_ints(g if g is not None else d) for g, d in zip(given, grid, strict=True))
+    form = args.form or ("gpu" if on_gpu else "cpu")
     if args.reps < 1 or not 0 <= args.holdout < 1:
         ap.error("--reps must be >= 1 and --holdout in [0, 1)")
     if clock == "cpu" and args.threads != 1:
@@ -285,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         total=n_states * len(pctx) * len(chunks), desc="profile", unit="config", file=sys.stderr
     ) as bar:
         points = profile_grid(loaded, decodes, dctx, chunks, pctx, args.reps, bar, clock)
-    model, fit_error = fit_with_holdout(points, args.holdout, args.seed)
+    model, fit_error = fit_with_holdout(points, args.holdout, args.seed, form)
     model.meta = {
+        "form": form,
         "model": loaded.name,
         "device": str(device),
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stallfree.costmodel.features import FEATURES
+from stallfree.costmodel.features import FEATURES, GEMM_EXCESS, gemm_excess
 from stallfree.costmodel.fitted import FittedCostModel
 
 
@@ -54,12 +54,33 @@ def relative_errors(
     return np.abs(model.predict_many(rows) - y) / y
 
 
-def fit_held_out(points: list[dict], test: set[int]) -> tuple[FittedCostModel, dict]:
+def fit_knee(
+    rows: Sequence[dict[str, float]], times: Sequence[float], features: Sequence[str], knees: Sequence[float]
+) -> FittedCostModel:
+    """fit() with a gemm_tokens_over_knee term, at the knee (of `knees`) whose fit has the smallest median
+    relative error: the knee is where a GPU's GEMMs turn from reading weights to computing."""
+    best: tuple[float, FittedCostModel] | None = None
+    for knee in knees:
+        model = fit([r | {GEMM_EXCESS: gemm_excess(r, knee)} for r in rows], times, features)
+        model.gemm_knee = float(knee)
+        err = float(np.median(relative_errors(model, rows, times)))
+        if best is None or err < best[0]:
+            best = (err, model)
+    if best is None:
+        raise ValueError("need at least one knee to try")
+    return best[1]
+
+
+def fit_held_out(
+    points: list[dict], test: set[int], features: Sequence[str] = FEATURES, knees: Sequence[float] = ()
+) -> tuple[FittedCostModel, dict]:
     """Fit on the points whose index is not in `test` ({"features", "time_s"} each) and measure the error on
-    both sides; marks every point with "held_out" and "predicted_s"."""
+    both sides; marks every point with "held_out" and "predicted_s". With `knees` (GPU), the fit has a GEMM
+    knee term, its knee chosen on the training points (fit_knee)."""
     train = [p for i, p in enumerate(points) if i not in test]
     held = [p for i, p in enumerate(points) if i in test]
-    model = fit([p["features"] for p in train], [p["time_s"] for p in train])
+    rows, times = [p["features"] for p in train], [p["time_s"] for p in train]
+    model = fit_knee(rows, times, features, knees) if knees else fit(rows, times, features)
     for i, p in enumerate(points):
         p["held_out"] = i in test
         p["predicted_s"] = model.predict(p["features"])
