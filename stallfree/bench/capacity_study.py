@@ -21,6 +21,7 @@ Output (--out): capacity_study.json and capacity_study.png.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import multiprocessing
 import statistics
@@ -31,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 from tqdm import tqdm
 
-from stallfree.bench.metrics import SLO
+from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.simulate import _simulate_once, simulate_capacity
 from stallfree.bench.simulator import SimConfig, parse_policy_entry
@@ -109,6 +110,38 @@ def compact(summary: dict) -> dict:
         "num_preemptions": summary.get("num_preemptions", 0),
         "utilisation": summary.get("utilisation"),
     }
+
+
+def sim_config(args, blocks: int, policy: str, budget: int) -> SimConfig:
+    """The simulated GPU replica."""
+    return SimConfig(policy=policy, token_budget=budget, max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks,
+                     block_size=args.block_size, max_model_len=args.max_model_len)  # fmt: skip
+
+
+def replan(args, ents, slos: dict, blocks: int, cfg, cost: FittedCostModel) -> int:
+    """--replan: redo the live plan of the study already in --out (its capacities are kept)."""
+    path = Path(args.out) / "capacity_study.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"stallfree capacity-study: --replan needs {path}: {e}", file=sys.stderr)
+        return 2
+    doc["live_plan"] = _live_plan(args, doc["summary"], ents, slos, blocks, cfg, cost)
+    write_json(Path(args.out), "capacity_study.json", doc)
+    _print_plan(doc["live_plan"])
+    print(f"saved {path}")
+    return 0
+
+
+def _print_plan(plan: dict) -> None:
+    for lab, v in plan["servers"].items():
+        pts = ", ".join(f"{r['qps']:g} QPS (simulated P99 TBT {r['tbt_p99_s'] * 1e3:.0f} ms, P50 delay "
+                        f"{r['scheduling_delay_p50_s']:.2f} s: {'passes' if r['meets'] else 'fails'})"
+                        for r in v["simulated_points"])  # fmt: skip
+        print(f"live plan {lab} (capacity {v['simulated_capacity_qps']:.3g}): {pts}")
+    print(
+        f"live plan: {plan['num_requests']} requests per point, ~{plan['simulated_seconds']:.0f} s of load in all"
+    )
 
 
 def _search_task(task: tuple) -> tuple:
@@ -202,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-qps", type=float, default=1.0)
     ap.add_argument("--tolerance", type=float, default=0.05, help="capacity search: relative bracket width")
     ap.add_argument("--sweep-points", type=int, default=10, help="latency-vs-QPS points per policy (0: none)")
-    ap.add_argument("--live-low", type=float, default=0.7, help="live plan: low point, x the capacity")
-    ap.add_argument("--live-high", type=float, default=1.4, help="live plan: high point, x the capacity")
+    ap.add_argument("--live-requests", type=int, default=200, help="live plan: requests per point")
+    ap.add_argument("--live-seed", type=int, default=0, help="live plan: seed of its requests")
+    ap.add_argument("--live-margin", type=float, default=0.2, help="live plan: the low point passes SLOs this "
+                    "much tighter, the high point fails SLOs this much looser")  # fmt: skip
+    ap.add_argument("--replan", action="store_true", help="only redo the live plan of the study in --out")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (2 cores shared: 1-2)")
     ap.add_argument("--out", default="results/capacity-study")
     args = ap.parse_args(argv)
@@ -236,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)  # fmt: skip
 
     def cfg(policy: str, budget: int) -> SimConfig:
-        return SimConfig(policy=policy, token_budget=budget, max_num_seqs=args.max_num_seqs, num_kv_blocks=blocks,
-                         block_size=args.block_size, max_model_len=args.max_model_len)  # fmt: skip
+        return sim_config(args, blocks, policy, budget)
 
+    if args.replan:
+        return replan(args, ents, slos, blocks, cfg, cost)
     slo_list = [slos["strict"], slos["relaxed"]]
     tasks = [
         (t, s, lab, cfg(p, b), cost, slo_list, args) for t in traces for s in seeds for lab, p, b in ents
@@ -267,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 verdict.append({"ratio": f"{a} / {b}", "slo": n, "median": r["median"], "target": target,
                                 "met": r["median"] >= target})  # fmt: skip
     sweep = _sweep(args, traces, seeds[0], ents, summary, cfg, cost)
-    live = _live_plan(args, summary, ents, budgets, slos, blocks)
+    live = _live_plan(args, summary, ents, slos, blocks, cfg, cost)
     doc = {
         "description": "simulated capacity (the real scheduler on the cost model's clock), paper's protocol",
         "cost_model": {"path": args.cost_model, **cost.to_json()},
@@ -310,29 +347,53 @@ def _sweep(args, traces, seed, ents, summary, cfg, cost) -> dict:
             for t, d in out.items()}  # fmt: skip
 
 
-def _live_plan(args, summary, ents, budgets, slos, blocks) -> dict:
-    """Two QPS points per policy bracketing the simulated strict capacity on the first trace (arxiv)."""
+LIVE_LOW = (0.8, 0.7, 0.6, 0.5)  # x the capacity: the first that passes is the low point
+LIVE_HIGH = (1.25, 1.5, 1.75, 2.0)  # the first that fails is the high point
+
+
+def _live_plan(args, summary: dict, ents, slos: dict, blocks: int, cfg, cost) -> dict:
+    """For sarathi at the strict budget and vllm: two QPS points around the simulated strict capacity (arxiv),
+    each checked by simulating the live run itself (--live-requests requests, --live-seed): the low point
+    must pass and the high point fail, each by --live-margin, so that a live run shows the same bracket
+    unless the model is off by more than that. Also the time they take."""
     trace = "arxiv" if "arxiv" in summary else next(iter(summary))
-    labels = [lab for lab, _, _ in ents if lab in ("sarathi@strict", "vllm")]
-    pol = {lab: (p, b) for lab, p, b in ents}
-    points = {}
-    for lab in labels:
+    wa = _workload_args(args, args.live_seed, trace)
+    wa.num_requests = args.live_requests
+    slo = SLO(ttft=1e9, tbt=slos["strict"], scheduling_delay=args.slo_delay)
+    m = args.live_margin
+    servers = {}
+    for lab, policy, budget in ents:
+        if lab not in ("sarathi@strict", "vllm"):
+            continue
         cap = summary[trace]["median_capacity_qps"][lab]["strict"]
-        points[lab] = {
-            "policy": pol[lab][0],
-            "token_budget": pol[lab][1],
-            "simulated_capacity_qps": cap,
-            "qps": [round(cap * args.live_low, 3), round(cap * args.live_high, 3)],
-        }
+        c = cfg(policy, budget)
+
+        def run(q: float, c: SimConfig = c) -> dict:
+            s = _simulate_once(_trace(trace), wa, cost, c, q, slo)
+            return {"qps": q, "meets": meets_capacity_slo(s, slo.tbt, slo.scheduling_delay),
+                    "meets_with_margin": meets_capacity_slo(s, slo.tbt * (1 - m), slo.scheduling_delay * (1 - m)),
+                    "fails_with_margin": not meets_capacity_slo(s, slo.tbt * (1 + m), slo.scheduling_delay * (1 + m)),
+                    "makespan_s": s["makespan_s"], **compact(s)}  # fmt: skip
+
+        # NOTE: each point clears the criterion by the margin, so a model error below it keeps the verdict
+        low = next((r for f in LIVE_LOW if (r := run(round(cap * f, 3)))["meets_with_margin"]), None)
+        high = next((r for f in LIVE_HIGH if (r := run(round(cap * f, 3)))["fails_with_margin"]), None)
+        pts = [r for r in (low, high) if r]
+        servers[lab] = {"policy": policy, "token_budget": budget, "simulated_capacity_qps": cap,
+                        "qps": [r["qps"] for r in pts], "simulated_points": pts,
+                        "bracketed": low is not None and high is not None}  # fmt: skip
     return {
         "trace": trace,
+        "num_requests": args.live_requests,
+        "seed": args.live_seed,
+        "margin": args.live_margin,
         "tbt_slo_s": slos["strict"],
         "scheduling_delay_slo_s": args.slo_delay,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "num_kv_blocks": blocks,
-        "budgets": budgets,
-        "servers": points,
+        "simulated_seconds": sum(r["makespan_s"] for v in servers.values() for r in v["simulated_points"]),
+        "servers": servers,
     }
 
 
@@ -347,6 +408,7 @@ def _print(doc: dict, traces, ents, slos) -> None:
         for name, r in s["ratios"].items():
             print(f"  {name}: median {r['median']:.2f}x (per seed {', '.join(f'{x:.2f}' for x in r['per_seed'])}; "
                   f"of medians {r['of_medians']:.2f}x)")  # fmt: skip
+    _print_plan(doc["live_plan"])
     for v in doc["targets"]:
         print(f"target {v['ratio']} @ {v['slo']}: {v['median']:.2f}x vs >= {v['target']:g}x: "
               f"{'met' if v['met'] else 'NOT met'}")  # fmt: skip

@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-model", default=None, help="default: the study's cost model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="llama3-8b", help="random-weight model shape for stallfree serve")
-    ap.add_argument("--num-requests", type=int, default=200, help="requests per point")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests per point (default: the plan's)")
     ap.add_argument("--scale", type=float, default=1.0, help="trace length multiplier (dry runs on a CPU)")
     ap.add_argument("--qps", default=None, help="comma list overriding every server's QPS points")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="seed of the requests (default: the plan's)")
     ap.add_argument("--max-kv-gb", type=float, default=90.0, help="cap the KV cache at this (GB); the "
                     "simulation is given the same number of blocks")  # fmt: skip
     ap.add_argument("--tbt-tolerance", type=float, default=0.2, help="live vs simulated P99 TBT")
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, KeyError, ValueError) as e:
         print(f"live_check: {e}", file=sys.stderr)
         return 2
+    args.num_requests = args.num_requests or plan.get("num_requests", 200)
+    args.seed = plan.get("seed", 0) if args.seed is None else args.seed
     per_token = args.kv_bytes_per_token or study["args"]["kv_bytes_per_token"]
     block = study["kv_cache"]["block_size"]
     blocks = min(plan["num_kv_blocks"], int(args.max_kv_gb * 1e9 // (per_token * block)))
