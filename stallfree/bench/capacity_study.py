@@ -128,8 +128,9 @@ def replan(args, ents, slos: dict, blocks: int, cfg, cost: FittedCostModel) -> i
         return 2
     doc["live_plan"] = _live_plan(args, doc["summary"], ents, slos, blocks, cfg, cost)
     write_json(Path(args.out), "capacity_study.json", doc)
+    png = plot(doc, Path(args.out))
     _print_plan(doc["live_plan"])
-    print(f"saved {path}")
+    print(f"saved {path} and {png}")
     return 0
 
 
@@ -239,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--live-seed", type=int, default=0, help="live plan: seed of its requests")
     ap.add_argument("--live-margin", type=float, default=0.2, help="live plan: the low point passes SLOs this "
                     "much tighter, the high point fails SLOs this much looser")  # fmt: skip
-    ap.add_argument("--replan", action="store_true", help="only redo the live plan of the study in --out")
+    ap.add_argument(
+        "--replan", action="store_true", help="only redo the live plan (and the plot) of the study in --out"
+    )
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (2 cores shared: 1-2)")
     ap.add_argument("--out", default="results/capacity-study")
     args = ap.parse_args(argv)
@@ -442,6 +445,7 @@ def plot(doc: dict, out: Path) -> Path:
         a1.set_ylabel("P99 TBT, ms")
         a2.set_ylabel("P50 scheduling delay, s")
         a2.set_yscale("symlog", linthresh=0.1)
+        a2.set_ylim(bottom=0)
         for a in (a1, a2):
             a.set_xlabel("QPS (Poisson)")
             a.set_title(f"{t} (simulated, seed {doc['args']['seeds'].split(',')[0]})")
