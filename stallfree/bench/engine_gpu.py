@@ -19,7 +19,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -326,6 +326,8 @@ def main(args, plan: Plan | None = None) -> int:
         "bandwidth_tb_s": bandwidth / 1e12,
         "matmul_tflops": MATMUL_TFLOPS,
         "torch": torch.__version__,
+        # what was timed, for readers of the figures (stallfree.bench.figuresfit fits a cost model to them)
+        "plan": {**asdict(plan), "decode_steps": args.steps},
         "backends": {},
     }
     with tqdm(total=4 * len(backends), desc="engine-bench (cuda)", file=sys.stderr) as bar:

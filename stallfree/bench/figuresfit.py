@@ -40,7 +40,8 @@ from stallfree.costmodel.fit import error_summary, fit
 from stallfree.costmodel.fitted import FittedCostModel
 
 GPU_FEATURES = ("const", "decode_tokens", DECODE_KV, "prefill_attn", "prefill_chunks", GEMM_EXCESS)
-# engine_gpu.Plan's defaults, for figures that do not record their plan (tests check they agree).
+# engine_gpu.Plan's defaults, for figures that do not record their plan (runs before it wrote "plan"; tests
+# check they agree).
 PLAN = {"context": 1024, "prompt": 4096, "hybrid_decodes": 32, "hybrid_chunk": 512}
 DECODE_REPS = 12  # timed decode steps: the decodes sit at context + 3 warm steps + about half of these
 BYTES_PER_PARAM = 2  # bf16
@@ -110,7 +111,7 @@ def observations(doc: dict, knee: float, backend: str | None = None) -> tuple[li
             }
         )
 
-    decode_pos = ctx + 3 + DECODE_REPS // 2
+    decode_pos = ctx + 3 + plan.get("decode_steps", DECODE_REPS) // 2
     for batch, ms in row["decode_ms"].items():
         add(f"decode batch {batch}", [_iteration(_decodes(int(batch), decode_pos))], ms)
     add(f"one-shot {prompt} prefill", [_iteration(_Chunk(prompt, 0, False))], row["prefill_4096_ms"])

@@ -52,3 +52,14 @@ def test_the_harness_writes_every_figure_and_survives_a_failing_backend(tmp_path
     assert "error" in result["backends"]["flashinfer"]  # no CUDA here: reported, not fatal
     launches = result["backends"]["triton"]["launches"]
     assert set(launches) == {"decode_2", "hybrid_2_plus_16"}
+    # the plan travels with the figures, so a cost model fitted to them times the iterations that ran
+    from stallfree.bench.figuresfit import observations
+
+    assert result["plan"]["prompt"] == 48 and result["plan"]["decode_steps"] == 3
+    timed, _ = observations(result, knee=0.0)
+    assert {r["name"] for r in timed} >= {
+        "one-shot 48 prefill",
+        "48 prompt at budget 16",
+        "2 decodes + 16-token chunk",
+    }
+    assert next(r for r in timed if r["name"] == "48 prompt at budget 16")["iterations"] == 3
