@@ -128,7 +128,7 @@ def replan(args, ents, slos: dict, blocks: int, cfg, cost: FittedCostModel) -> i
         return 2
     doc["live_plan"] = _live_plan(args, doc["summary"], ents, slos, blocks, cfg, cost)
     write_json(Path(args.out), "capacity_study.json", doc)
-    png = plot(doc, Path(args.out))
+    png = plot(doc, Path(args.out)) if doc["sweep"] else "no plot (no sweep)"
     _print_plan(doc["live_plan"])
     print(f"saved {path} and {png}")
     return 0
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     out = Path(args.out)
     path = write_json(out, "capacity_study.json", doc)
-    png = plot(doc, out)
+    png = plot(doc, out) if doc["sweep"] else "no plot (--sweep-points 0)"
     _print(doc, traces, ents, slos)
     print(f"\nsaved {path} and {png}")
     return 0
