@@ -54,6 +54,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI usage cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)
