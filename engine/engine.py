@@ -361,6 +361,8 @@ class LLMEngine:
             prefill_tokens_by_cluster=prefill_by,
             decode_tokens_by_cluster=decode_by,
             chunk_shapes=tuple((c.num_tokens, c.start, c.is_decode) for c in sched.chunks),
+            prefix_cache=sched.prefix_cache,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
         )
 
 

@@ -80,6 +80,9 @@ class IterationStats:
     decode_tokens_by_cluster: dict[str, int] = field(default_factory=dict)
     # (num_tokens, start, is_decode) per scheduled chunk: what a cost model's features are computed from
     chunk_shapes: tuple[tuple[int, int, bool], ...] = ()
+    # prefix cache lookups of requests admitted this step: (traffic cluster, tokens looked up, tokens hit)
+    prefix_cache: tuple[tuple[str, int, int], ...] = ()
+    num_cached_blocks: int = 0
 
     @property
     def time_total(self) -> float:
