@@ -17,9 +17,9 @@ partial last block of a request is always its own.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from array import array
 
 TokenSlice = Callable[[int, int], Sequence[int]]  # (start, stop) -> token ids of that range
 

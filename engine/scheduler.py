@@ -319,7 +319,12 @@ class Scheduler:
             # and only the rest is chunked and counted against the budget.
             prefix = bm.cached_prefix(req.request_id, req.num_tokens, req.token_slice)
             req.num_computed_tokens = len(prefix) * bm.block_size
-            if pending and bm.next_block_hash(req.request_id, len(prefix), req.num_tokens, req.token_slice) in pending:
+            nxt = (
+                bm.next_block_hash(req.request_id, len(prefix), req.num_tokens, req.token_slice)
+                if pending
+                else None
+            )
+            if nxt is not None and nxt in pending:
                 req.num_computed_tokens = 0
                 continue  # another request is filling the next block: take it from the cache when it is done
             n = self._chunk_size(req, batch, whole)

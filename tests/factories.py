@@ -46,7 +46,9 @@ def make_request(
 ) -> Request:
     return Request(
         request_id=f"r{next(_ids)}",
-        prompt_token_ids=list(prompt) if prompt is not None else [(7 * i) % 100 + 1 for i in range(prompt_len)],
+        prompt_token_ids=list(prompt)
+        if prompt is not None
+        else [(7 * i) % 100 + 1 for i in range(prompt_len)],
         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         arrival_time=arrival,
         traffic_cluster=cluster,

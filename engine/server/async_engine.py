@@ -225,7 +225,7 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         deliveries: list[tuple[RequestStream, RequestOutput]] = []
-        acks: list[asyncio.Future] = []
+        acks: list[asyncio.Future | tuple[asyncio.Future, Any]] = []
         processed = 0
         with self._lock:
             while True:

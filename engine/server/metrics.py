@@ -81,7 +81,9 @@ class PrometheusMetrics(EngineObserver):
                             "(not prefilled).", TC, registry=r)  # fmt: skip
         self.cache_ratio = g("stallfree_prefix_cache_hit_ratio", "Share of looked-up prompt tokens found in "
                              "the prefix cache since start (0..1).", TC, registry=r)  # fmt: skip
-        self.cache_blocks = g("stallfree_prefix_cache_blocks", "KV blocks held in the prefix cache.", registry=r)
+        self.cache_blocks = g(
+            "stallfree_prefix_cache_blocks", "KV blocks held in the prefix cache.", registry=r
+        )
         self._cache_totals: dict[str, list[int]] = {}  # cluster -> [queries, hits]
         m = ("model_name",)
         self.v_waiting = g("vllm:num_requests_waiting", "Requests waiting.", m, registry=r)
@@ -91,10 +93,12 @@ class PrometheusMetrics(EngineObserver):
                         buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.v_itl = h("vllm:inter_token_latency_seconds", "Inter-token latency.", m, buckets=TBT_BUCKETS,
                        registry=r)  # fmt: skip
-        self.v_cache_queries = c("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=r)
+        self.v_cache_queries = c(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=r
+        )
         self.v_cache_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", m, registry=r)
-        for metric in (self.v_cache_queries, self.v_cache_hits):
-            metric.labels(model_name)
+        self.v_cache_queries.labels(model_name)
+        self.v_cache_hits.labels(model_name)
         for kind in ("prefill", "decode", "hybrid"):
             self.iterations.labels(kind)
         for metric in (self.v_waiting, self.v_running, self.v_kv):
@@ -107,7 +111,13 @@ class PrometheusMetrics(EngineObserver):
         self._clusters.add(name)
         for o in OUTCOMES:
             self.requests.labels(name, o)
-        for metric in (self.arrivals, self.prompt_tokens, self.gen_tokens, self.cache_queries, self.cache_hits):
+        for metric in (
+            self.arrivals,
+            self.prompt_tokens,
+            self.gen_tokens,
+            self.cache_queries,
+            self.cache_hits,
+        ):
             metric.labels(name)
         self.running.labels(name).set(0)
         self.waiting.labels(name).set(0)

@@ -139,6 +139,4 @@ class ResponseBuilder:
 
     def usage_chunk(self, out: RequestOutput) -> str:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return sse(
-            {**self._head(obj), "choices": [], "usage": usage(out)}
-        )
+        return sse({**self._head(obj), "choices": [], "usage": usage(out)})

@@ -14,7 +14,9 @@ ATOL = 2e-3  # fp32 on CPU, as in test_chunked_prefill: same sums, different gro
 
 def run(loaded, prompts, *, caching, budget=4096, num_kv_blocks=200, warm=(), max_tokens=8, **kw):
     """Generate greedily with logprobs; `warm` prompts run first (they fill the cache)."""
-    llm = make_llm(loaded, token_budget=budget, num_kv_blocks=num_kv_blocks, enable_prefix_caching=caching, **kw)
+    llm = make_llm(
+        loaded, token_budget=budget, num_kv_blocks=num_kv_blocks, enable_prefix_caching=caching, **kw
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     if warm:
         llm.generate(list(warm), params, use_tqdm=False)

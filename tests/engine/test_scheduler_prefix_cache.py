@@ -98,7 +98,9 @@ def test_preempted_request_takes_its_cached_blocks_back():
     max_tokens=st.integers(1, 8),
     policy=st.sampled_from(["sarathi", "vllm", "orca"]),
 )
-def test_every_chunk_sees_exactly_its_own_tokens_in_the_cache(tails, shared, budget, num_blocks, max_tokens, policy):
+def test_every_chunk_sees_exactly_its_own_tokens_in_the_cache(
+    tails, shared, budget, num_blocks, max_tokens, policy
+):
     """Each chunk's history slots must hold its request's tokens [0, start): whether they were computed by
     the request itself or came from the cache, after evictions, preemptions and budgets that split blocks."""
     bs = 4
@@ -106,7 +108,9 @@ def test_every_chunk_sees_exactly_its_own_tokens_in_the_cache(tails, shared, bud
         policy=policy, token_budget=budget, num_blocks=num_blocks, block_size=bs, max_num_seqs=4,
         prefix_caching=True,
     )  # fmt: skip
-    reqs = [make_request(0, max_tokens=max_tokens, prompt=list(range(100, 100 + shared)) + t + [7]) for t in tails]
+    reqs = [
+        make_request(0, max_tokens=max_tokens, prompt=list(range(100, 100 + shared)) + t + [7]) for t in tails
+    ]
     for r in reqs:
         s.add_request(r)
     kv: dict[int, int] = {}  # slot -> token id whose K/V it holds

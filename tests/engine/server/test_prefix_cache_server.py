@@ -15,7 +15,9 @@ SYSTEM = "You are a careful assistant. Answer briefly and cite the rule you use.
 
 @pytest.fixture(scope="module")
 def cached_server(default_model):
-    s = start_server(default_model, traffic={"trafficClusters": [{"name": "chat", "match": {"header": "chat"}}]})
+    s = start_server(
+        default_model, traffic={"trafficClusters": [{"name": "chat", "match": {"header": "chat"}}]}
+    )
     yield s
     s.stop()
 
@@ -49,7 +51,9 @@ def test_second_request_with_the_same_system_prompt_reports_cached_tokens(cached
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
 
     s = cached_server
-    assert wait_for(lambda: s.metric("vllm:prefix_cache_hits_total", model_name="SmolLM2-135M-Instruct") >= cached + 96)
+    assert wait_for(
+        lambda: s.metric("vllm:prefix_cache_hits_total", model_name="SmolLM2-135M-Instruct") >= cached + 96
+    )
     queries = s.metric("vllm:prefix_cache_queries_total", model_name="SmolLM2-135M-Instruct")
     assert queries >= first.usage.prompt_tokens + second.usage.prompt_tokens + 201
     ratio = s.metric("stallfree_prefix_cache_hit_ratio", traffic_cluster="chat")
