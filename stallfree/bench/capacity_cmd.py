@@ -23,7 +23,7 @@ from stallfree.bench.host import describe
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
-from stallfree.bench.serve_cmd import bench_once, load_text_prompts
+from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
 from stallfree.bench.simulate import caching_modes, config_label
 from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import Trace, make_workload
@@ -61,6 +61,8 @@ def search_target(
             max_model_len=args.max_model_len,
             seed=args.seed,
         )
+        if name != "peer":
+            reset_prefix_cache(url)
         t0 = time.time()
         s, _ = bench_once(
             url,

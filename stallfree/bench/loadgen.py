@@ -40,6 +40,8 @@ SERVER_COUNTERS = {
     "preemptions": "stallfree_preemptions_total",
     "rejections": "stallfree_rejections_total",
     "iterations": "stallfree_iterations_total",
+    "prefix_cache_query_tokens": "stallfree_prefix_cache_query_tokens_total",
+    "prefix_cache_hit_tokens": "stallfree_prefix_cache_hit_tokens_total",
 }
 
 

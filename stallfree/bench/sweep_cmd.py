@@ -21,7 +21,7 @@ from stallfree.bench.capacity_cmd import warm_up
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, summarize
 from stallfree.bench.report import latency_cells, ms, pyplot, table, write_json
-from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.serve_cmd import bench_once, reset_prefix_cache
 from stallfree.bench.simulate import caching_modes, config_label
 from stallfree.bench.traces import Trace, make_workload
 
@@ -138,6 +138,7 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
             for budget in mine:
                 # One server per policy; the budget changes at run time through the admin API.
                 set_budget(server.url, budget)
+                reset_prefix_cache(server.url)  # each run starts from an empty prefix cache
                 s, _ = bench_once(
                     server.url,
                     wl,
