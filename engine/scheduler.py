@@ -309,7 +309,10 @@ class Scheduler:
 
     def _admit_waiting(self, batch: _Batch, whole: bool) -> None:
         bm = self.block_manager
-        pending = self._pending_blocks(batch) if bm.enable_prefix_caching and self.waiting else set()
+        # NOTE: static batches are admitted together and run to the end: waiting for another request's blocks
+        # there would mean waiting for its whole generation, so static computes shared blocks twice instead.
+        defer = bm.enable_prefix_caching and self.waiting and self.config.policy != "static"
+        pending = self._pending_blocks(batch) if defer else set()
         for req in sorted(self.waiting, key=self._key):
             if len(self.running) >= self.config.max_num_seqs or batch.left < 1:
                 break

@@ -96,7 +96,7 @@ def test_preempted_request_takes_its_cached_blocks_back():
     budget=st.integers(5, 40),
     num_blocks=st.integers(14, 40),
     max_tokens=st.integers(1, 8),
-    policy=st.sampled_from(["sarathi", "vllm", "orca"]),
+    policy=st.sampled_from(["sarathi", "vllm", "orca", "static"]),
 )
 def test_every_chunk_sees_exactly_its_own_tokens_in_the_cache(
     tails, shared, budget, num_blocks, max_tokens, policy
