@@ -311,7 +311,7 @@ class Scheduler:
         bm = self.block_manager
         # NOTE: static batches are admitted together and run to the end: waiting for another request's blocks
         # there would mean waiting for its whole generation, so static computes shared blocks twice instead.
-        defer = bm.enable_prefix_caching and self.waiting and self.config.policy != "static"
+        defer = bm.enable_prefix_caching and bool(self.waiting) and self.config.policy != "static"
         pending = self._pending_blocks(batch) if defer else set()
         for req in sorted(self.waiting, key=self._key):
             if len(self.running) >= self.config.max_num_seqs or batch.left < 1:
@@ -324,7 +324,7 @@ class Scheduler:
             req.num_computed_tokens = len(prefix) * bm.block_size
             nxt = (
                 bm.next_block_hash(req.request_id, len(prefix), req.num_tokens, req.token_slice)
-                if pending
+                if defer
                 else None
             )
             if nxt is not None and nxt in pending:
@@ -344,7 +344,8 @@ class Scheduler:
                 batch.prefix_cache.append((req.traffic_cluster, req.num_tokens, req.num_computed_tokens))
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = req.num_computed_tokens
-                pending.update(bm.pending_hashes(req.request_id, req.num_tokens, req.token_slice))
+                if defer:
+                    pending.update(bm.pending_hashes(req.request_id, req.num_tokens, req.token_slice))
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

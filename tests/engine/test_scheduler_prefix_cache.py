@@ -131,3 +131,12 @@ def test_every_chunk_sees_exactly_its_own_tokens_in_the_cache(
     run_to_end(s, max_steps=3000, on_step=check)
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def test_static_batches_identical_prompts_together_instead_of_waiting():
+    s = make_scheduler(policy="static", token_budget=16, block_size=8, prefix_caching=True)
+    a = make_request(0, max_tokens=3, prompt=SYSTEM + [1])
+    b = make_request(0, max_tokens=3, prompt=SYSTEM + [2])
+    s.add_request(a)
+    s.add_request(b)
+    assert {c.request_id for c in s.schedule().chunks} == {a.request_id, b.request_id}
