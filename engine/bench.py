@@ -36,7 +36,9 @@ def _engine(loaded, budget: int, policy: str = "sarathi", blocks: int = 2048) ->
         scheduler=SchedulerConfig(
             policy=policy, max_num_seqs=256, tunables=SchedulerTunables(token_budget=budget)
         ),
-        cache=CacheConfig(num_kv_blocks=blocks),
+        cache=CacheConfig(
+            num_kv_blocks=blocks, enable_prefix_caching=False
+        ),  # NOTE: repeated prompts must be computed, not served from the prefix cache
     )
     return LLMEngine(cfg, loaded=loaded)
 

@@ -80,6 +80,8 @@ class CacheConfig:
     # Size the KV cache from a memory budget, or give the block count directly.
     kv_cache_memory_gb: float | None = None
     num_kv_blocks: int | None = None
+    # Reuse the K/V of full blocks of identical prefixes across requests (vLLM's automatic prefix caching).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 256:

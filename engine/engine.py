@@ -96,7 +96,12 @@ class LLMEngine:
         )
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
         self.num_kv_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            salt=self._prefix_cache_salt(),
+        )
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = self._make_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -114,6 +119,15 @@ class LLMEngine:
             config.cache.block_size,
             self.runner.attention.name,
         )
+
+    def _prefix_cache_salt(self) -> str:
+        """Everything besides the tokens that decides the K/V, at the root of every prefix-cache hash."""
+        c = self.config
+        return f"{self.loaded.name}|{c.model}|{c.load_format}|{c.seed}|{self.dtype}"
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (admin action); returns how many were dropped."""
+        return self.block_manager.reset_prefix_cache()
 
     def _make_runner(self) -> ModelRunner | CudaModelRunner:
         """The in-process runner; the parallel engine overrides this with its worker executor.
@@ -347,6 +361,8 @@ class LLMEngine:
             prefill_tokens_by_cluster=prefill_by,
             decode_tokens_by_cluster=decode_by,
             chunk_shapes=tuple((c.num_tokens, c.start, c.is_decode) for c in sched.chunks),
+            prefix_cache=sched.prefix_cache,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
         )
 
 

@@ -37,6 +37,7 @@ class LLM:
     pipeline_parallel_size > 1 run the model in T x P worker processes (see docs/parallelism.md).
     attention_backend: auto (CUDA: the Triton kernels in bf16/fp16, torch in fp32; CPU: torch), torch,
     triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
+    enable_prefix_caching (default True) reuses the K/V of full blocks shared with earlier prompts.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class LLM:
         loaded_model: Any = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise ValueError(
@@ -85,7 +87,10 @@ class LLM:
                 tunables=SchedulerTunables(token_budget=token_budget, clusters=tuple(traffic_clusters)),
             ),
             cache=CacheConfig(
-                block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                enable_prefix_caching=enable_prefix_caching,
             ),
         )
         self.engine = create_engine(config, loaded=loaded_model)

@@ -117,6 +117,7 @@ class OutputProcessor:
             stop_reason=req.stop_reason,
             logprobs=list(logprobs) if logprobs is not None else None,
             new_logprobs=new_lp,
+            num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             metrics=_metrics(req) if finished else None,
         )

@@ -54,6 +54,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI usage cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,9 @@ class IterationStats:
     decode_tokens_by_cluster: dict[str, int] = field(default_factory=dict)
     # (num_tokens, start, is_decode) per scheduled chunk: what a cost model's features are computed from
     chunk_shapes: tuple[tuple[int, int, bool], ...] = ()
+    # prefix cache lookups of requests admitted this step: (traffic cluster, tokens looked up, tokens hit)
+    prefix_cache: tuple[tuple[str, int, int], ...] = ()
+    num_cached_blocks: int = 0
 
     @property
     def time_total(self) -> float:

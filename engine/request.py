@@ -43,6 +43,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     # Timestamps (engine clock, seconds): first time any of its tokens ran, first output, each output.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

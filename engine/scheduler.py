@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from stallfree.engine.block_manager import BlockManager, blocks_needed
+from stallfree.engine.block_manager import BlockManager
 from stallfree.engine.config import SchedulerConfig, SchedulerTunables
 from stallfree.engine.request import Request, RequestStatus
 from stallfree.engine.sampling_params import SamplingParams
@@ -57,6 +57,9 @@ class SchedulerOutput:
     token_budget: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    # Prefix cache lookups of the requests admitted this iteration: (traffic cluster, prompt tokens looked
+    # up, tokens found cached), one entry per admission.
+    prefix_cache: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +80,7 @@ class _Batch:
     cluster_prefill: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     paused: set[str] = field(default_factory=set)  # running but over their cluster's maxRunning
+    prefix_cache: list[tuple[str, int, int]] = field(default_factory=list)
     used: int = 0
 
     @property
@@ -126,6 +130,10 @@ class Scheduler:
         if req is None:
             return None
         self._seq.pop(request_id, None)
+        if status is not RequestStatus.FINISHED_ERROR and request_id not in self.in_flight:
+            # NOTE: what it computed is in the cache (not so for a failed forward pass, or a micro-batch
+            # still in flight), so the next request with the same prefix (the next turn) can reuse it.
+            self.block_manager.register_computed(request_id, req.num_computed_tokens, req.token_slice)
         self.in_flight.discard(request_id)
         req.status = status
         if req in self.running:
@@ -180,6 +188,9 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: _Batch) -> None:
         self.running.remove(req)
+        # Preemption drops references, not cached content: on re-admission the request takes back whatever
+        # of its blocks was not evicted meanwhile.
+        self.block_manager.register_computed(req.request_id, req.num_computed_tokens, req.token_slice)
         self.block_manager.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -210,12 +221,29 @@ class Scheduler:
             self._preempt(max(victims, key=self._key), batch)
         return True
 
-    def _can_admit(self, req: Request, num_tokens: int) -> bool:
-        free = self.block_manager.num_free_blocks
-        need = blocks_needed(num_tokens, self.block_manager.block_size) - self.block_manager.num_blocks_of(
-            req.request_id
-        )
-        return free - need >= int(WATERMARK * self.block_manager.num_blocks)
+    def _can_admit(self, req: Request, num_tokens: int, prefix: list[int]) -> bool:
+        bm = self.block_manager
+        need = bm.blocks_to_take(req.request_id, num_tokens, prefix)
+        return bm.num_free_blocks - need >= int(WATERMARK * bm.num_blocks)
+
+    def _register_computed(self) -> None:
+        """Put the full blocks that finished iterations wrote into the prefix cache.
+
+        NOTE: runs before each schedule, when every request not in flight has its first
+        `num_computed_tokens` tokens' K/V written (schedule() advanced them, and that iteration is done)."""
+        for req in self.running:
+            if req.request_id not in self.in_flight:
+                self.block_manager.register_computed(req.request_id, req.num_computed_tokens, req.token_slice)
+
+    def _pending_blocks(self, batch: _Batch) -> set[bytes]:
+        """Hashes of full blocks that running prefills are computing (or will): a waiting request whose
+        next uncached block is among them waits for it to be cached instead of computing it twice."""
+        bm = self.block_manager
+        out: set[bytes] = set()
+        for req in self.running:
+            if not req.in_decode and req.request_id not in batch.paused:
+                out.update(bm.pending_hashes(req.request_id, req.num_tokens, req.token_slice))
+        return out
 
     def _cluster_has_room(self, req: Request) -> bool:
         limits = self.tunables.cluster(req.traffic_cluster)
@@ -280,19 +308,44 @@ class Scheduler:
                 batch.add(req, n)
 
     def _admit_waiting(self, batch: _Batch, whole: bool) -> None:
+        bm = self.block_manager
+        # NOTE: static batches are admitted together and run to the end: waiting for another request's blocks
+        # there would mean waiting for its whole generation, so static computes shared blocks twice instead.
+        defer = bm.enable_prefix_caching and bool(self.waiting) and self.config.policy != "static"
+        pending = self._pending_blocks(batch) if defer else set()
         for req in sorted(self.waiting, key=self._key):
             if len(self.running) >= self.config.max_num_seqs or batch.left < 1:
                 break
             if not self._cluster_has_room(req):
                 continue
+            # A waiting request has nothing computed; with prefix caching it starts after its cached prefix
+            # and only the rest is chunked and counted against the budget.
+            prefix = bm.cached_prefix(req.request_id, req.num_tokens, req.token_slice)
+            req.num_computed_tokens = len(prefix) * bm.block_size
+            nxt = (
+                bm.next_block_hash(req.request_id, len(prefix), req.num_tokens, req.token_slice)
+                if defer
+                else None
+            )
+            if nxt is not None and nxt in pending:
+                req.num_computed_tokens = 0
+                continue  # another request is filling the next block: take it from the cache when it is done
             n = self._chunk_size(req, batch, whole)
             if n == 0:
+                req.num_computed_tokens = 0
                 if whole:
                     break  # keep FCFS: a whole prompt that does not fit now blocks those behind it
                 continue
-            if not self._can_admit(req, req.num_computed_tokens + n):
+            if not self._can_admit(req, req.num_computed_tokens + n, prefix):
+                req.num_computed_tokens = 0
                 break
-            self.block_manager.allocate(req.request_id, req.num_computed_tokens + n)
+            bm.allocate(req.request_id, req.num_computed_tokens + n, prefix)
+            if bm.enable_prefix_caching:
+                batch.prefix_cache.append((req.traffic_cluster, req.num_tokens, req.num_computed_tokens))
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = req.num_computed_tokens
+                if defer:
+                    pending.update(bm.pending_hashes(req.request_id, req.num_tokens, req.token_slice))
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -348,6 +401,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next iteration and commit it: scheduled requests' num_computed_tokens advance."""
         policy = self.config.policy
+        if self.block_manager.enable_prefix_caching:
+            self._register_computed()
         if policy == "sarathi":
             batch = self._schedule_sarathi()
         elif policy == "vllm":
@@ -388,4 +443,5 @@ class Scheduler:
             token_budget=self.tunables.token_budget,
             num_prefill_tokens=n_prefill,
             num_decode_tokens=n_decode,
+            prefix_cache=tuple(batch.prefix_cache),
         )

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache size in GiB "
                    "(default: 1 GiB on CPU, half the free memory on GPU)")  # fmt: skip
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V of full blocks of prompt prefixes seen before (default on; "
+                   "--no-enable-prefix-caching recomputes every prompt)")  # fmt: skip
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     h.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -219,6 +222,7 @@ def build_configs(args: argparse.Namespace):
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
     )
     settings = ServerSettings(

@@ -111,6 +111,7 @@ class EngineSpec(_Model):
     policy: Literal["sarathi", "vllm", "orca", "static"] = "sarathi"
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, alias="blockSize")
     max_num_seqs: int = Field(256, alias="maxNumSeqs", ge=1)
+    prefix_caching: bool = Field(True, alias="prefixCaching")
     port: int = Field(8000, ge=1, le=65535)
     drain_seconds: int = Field(120, alias="drainSeconds", ge=0)
     admin_token_secret: AdminTokenSecret | None = Field(None, alias="adminTokenSecret")

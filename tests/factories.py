@@ -23,6 +23,7 @@ def make_scheduler(
     chunk_align: int = 0,
     hybrid_batching: bool = True,
     clusters: tuple[TrafficClusterLimits, ...] = (),
+    prefix_caching: bool = False,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         policy=policy,
@@ -32,15 +33,22 @@ def make_scheduler(
         hybrid_batching=hybrid_batching,
         tunables=SchedulerTunables(token_budget=token_budget, clusters=clusters),
     )
-    return Scheduler(cfg, BlockManager(num_blocks, block_size))
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
 def make_request(
-    prompt_len: int, max_tokens: int = 4, cluster: str = "default", arrival: float = 0.0, priority: int = 0
+    prompt_len: int,
+    max_tokens: int = 4,
+    cluster: str = "default",
+    arrival: float = 0.0,
+    priority: int = 0,
+    prompt: list[int] | None = None,
 ) -> Request:
     return Request(
         request_id=f"r{next(_ids)}",
-        prompt_token_ids=[(7 * i) % 100 + 1 for i in range(prompt_len)],
+        prompt_token_ids=list(prompt)
+        if prompt is not None
+        else [(7 * i) % 100 + 1 for i in range(prompt_len)],
         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         arrival_time=arrival,
         traffic_cluster=cluster,

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(
         loaded_model=loaded, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_kv_blocks=1024,
+        enable_prefix_caching=False,  # every policy runs the same prompts: none may reuse another's K/V
     )  # fmt: skip
     results, spans = {}, {}
     try:

@@ -2,7 +2,9 @@
 
 GET   /admin/v1/config   {"tokenBudget", "chunkAlign", "trafficClusters": {name: {...}}}
 PATCH /admin/v1/config   a partial document of the same shape, merged; applied from the next iteration
-GET   /admin/v1/stats    per-cluster queue lengths, recent P50/P99 TTFT/TBT, arrival and prefill rates
+GET   /admin/v1/stats    per-cluster queue lengths, recent P50/P99 TTFT/TBT, arrival and prefill rates,
+                         prefix cache hit rates and cached blocks
+POST  /admin/v1/reset_prefix_cache   drop every cached KV block (e.g. after changing weights in place)
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ async def patch_config(request: Request) -> dict:
         await engine.update_config(new)
     logger.info("admin: applied %s", json.dumps(patch, separators=(",", ":")))
     return new.to_json()
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    engine = get_state(request).ready_engine()
+    dropped = await engine.reset_prefix_cache()
+    logger.info("admin: prefix cache reset, %d blocks dropped", dropped)
+    return {"droppedBlocks": dropped}
 
 
 @router.get("/stats")

@@ -181,6 +181,13 @@ class AsyncEngine:
         self._send("config", (config, done))
         await done
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block between two iterations; returns how many were dropped."""
+        self.check_available()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._send("reset_prefix_cache", done)
+        return await done
+
     def request_done(self) -> None:
         """A handler finished with a stream (for draining)."""
         self.num_in_flight -= 1
@@ -218,7 +225,7 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         deliveries: list[tuple[RequestStream, RequestOutput]] = []
-        acks: list[asyncio.Future] = []
+        acks: list[asyncio.Future | tuple[asyncio.Future, Any]] = []
         processed = 0
         with self._lock:
             while True:
@@ -243,6 +250,10 @@ class AsyncEngine:
                     config, fut = payload
                     self._apply_config(config)
                     acks.append(fut)
+                elif kind == "reset_prefix_cache":
+                    n = self.engine.reset_prefix_cache()
+                    logger.info("prefix cache reset: %d blocks dropped", n)
+                    acks.append((payload, n))
             if not processed:
                 return
             self._snapshot_counts()
@@ -330,9 +341,10 @@ class AsyncEngine:
         def deliver() -> None:
             for stream, out in deliveries:
                 stream.queue.put_nowait(out)
-            for fut in acks:
+            for ack in acks:  # a future, or (future, its result)
+                fut, result = ack if isinstance(ack, tuple) else (ack, None)
                 if not fut.done():
-                    fut.set_result(None)
+                    fut.set_result(result)
 
         try:
             self._loop.call_soon_threadsafe(deliver)
@@ -355,6 +367,8 @@ class AsyncEngine:
                 deliveries.append((payload[0], _error_output(payload[0], message)))
             elif kind == "config":
                 acks.append(payload[1])
+            elif kind == "reset_prefix_cache":
+                acks.append((payload, 0))
         self._deliver(deliveries, acks)
 
 

@@ -46,7 +46,7 @@ def _free_port() -> int:
 def _start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "stallfree", "serve", "--port", str(port), "--log-level", "warning",
            "--token-budget", str(args.token_budget), "--max-num-seqs", str(args.max_num_seqs),
-           "--num-kv-blocks", str(args.num_kv_blocks)]  # fmt: skip
+           "--num-kv-blocks", str(args.num_kv_blocks), "--no-enable-prefix-caching"]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     # same thread count, so both see the same OpenMP behaviour (which differs a lot on a busy box).
     worker = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(args.threads,))
     llm = LLM(args.model, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-              num_kv_blocks=args.num_kv_blocks)  # fmt: skip
+              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)  # fmt: skip
     prompts = _prompts(args.batch, args.prompt_words)
     single = _prompts(1, args.prompt_words)
     port = _free_port()

@@ -75,6 +75,16 @@ class PrometheusMetrics(EngineObserver):
         self.rejections = c("stallfree_rejections", "Requests refused at admission.", (*TC, "reason"),
                             registry=r)  # fmt: skip
         self.iterations = c("stallfree_iterations", "Engine iterations by kind.", ("kind",), registry=r)
+        self.cache_queries = c("stallfree_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
+                               "cache at admission.", TC, registry=r)  # fmt: skip
+        self.cache_hits = c("stallfree_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
+                            "(not prefilled).", TC, registry=r)  # fmt: skip
+        self.cache_ratio = g("stallfree_prefix_cache_hit_ratio", "Share of looked-up prompt tokens found in "
+                             "the prefix cache since start (0..1).", TC, registry=r)  # fmt: skip
+        self.cache_blocks = g(
+            "stallfree_prefix_cache_blocks", "KV blocks held in the prefix cache.", registry=r
+        )
+        self._cache_totals: dict[str, list[int]] = {}  # cluster -> [queries, hits]
         m = ("model_name",)
         self.v_waiting = g("vllm:num_requests_waiting", "Requests waiting.", m, registry=r)
         self.v_running = g("vllm:num_requests_running", "Requests running.", m, registry=r)
@@ -83,6 +93,12 @@ class PrometheusMetrics(EngineObserver):
                         buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.v_itl = h("vllm:inter_token_latency_seconds", "Inter-token latency.", m, buckets=TBT_BUCKETS,
                        registry=r)  # fmt: skip
+        self.v_cache_queries = c(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=r
+        )
+        self.v_cache_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", m, registry=r)
+        self.v_cache_queries.labels(model_name)
+        self.v_cache_hits.labels(model_name)
         for kind in ("prefill", "decode", "hybrid"):
             self.iterations.labels(kind)
         for metric in (self.v_waiting, self.v_running, self.v_kv):
@@ -95,7 +111,13 @@ class PrometheusMetrics(EngineObserver):
         self._clusters.add(name)
         for o in OUTCOMES:
             self.requests.labels(name, o)
-        for metric in (self.arrivals, self.prompt_tokens, self.gen_tokens):
+        for metric in (
+            self.arrivals,
+            self.prompt_tokens,
+            self.gen_tokens,
+            self.cache_queries,
+            self.cache_hits,
+        ):
             metric.labels(name)
         self.running.labels(name).set(0)
         self.waiting.labels(name).set(0)
@@ -153,6 +175,17 @@ class PrometheusMetrics(EngineObserver):
         p, d = stats.num_prefill_tokens, stats.num_decode_tokens
         kind = "hybrid" if p and d else ("prefill" if p else "decode")
         self.iterations.labels(kind).inc()
+        self.cache_blocks.set(stats.num_cached_blocks)
+        for cluster, queried, hit in stats.prefix_cache:
+            self._cluster(cluster)
+            self.cache_queries.labels(cluster).inc(queried)
+            self.cache_hits.labels(cluster).inc(hit)
+            self.v_cache_queries.labels(self.model_name).inc(queried)
+            self.v_cache_hits.labels(self.model_name).inc(hit)
+            totals = self._cache_totals.setdefault(cluster, [0, 0])
+            totals[0] += queried
+            totals[1] += hit
+            self.cache_ratio.labels(cluster).set(totals[1] / totals[0] if totals[0] else 0.0)
 
     def on_config(self, config) -> None:
         self.budget.set(config.token_budget)

@@ -18,11 +18,14 @@ def sse(obj: dict[str, Any] | str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens` counts prompt tokens served from the prefix cache."""
+    prompt_tokens, completion_tokens = len(out.prompt_token_ids), len(out.token_ids)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
     }
 
 
@@ -78,7 +81,6 @@ class ResponseBuilder:
 
     # ---- whole responses ---------------------------------------------------------------------------
     def full(self, out: RequestOutput) -> dict[str, Any]:
-        n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
         if self.kind == "completion":
             choice = {
                 "index": 0,
@@ -87,7 +89,7 @@ class ResponseBuilder:
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
             }
-            return {**self._head("text_completion"), "choices": [choice], "usage": usage(n_prompt, n_out)}
+            return {**self._head("text_completion"), "choices": [choice], "usage": usage(out)}
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": out.text},
@@ -95,7 +97,7 @@ class ResponseBuilder:
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
         }
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(n_prompt, n_out)}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(out)}
 
     # ---- streaming ---------------------------------------------------------------------------------
     def _chunk(self, choice: dict[str, Any]) -> str:
@@ -137,6 +139,4 @@ class ResponseBuilder:
 
     def usage_chunk(self, out: RequestOutput) -> str:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return sse(
-            {**self._head(obj), "choices": [], "usage": usage(len(out.prompt_token_ids), len(out.token_ids))}
-        )
+        return sse({**self._head(obj), "choices": [], "usage": usage(out)})

@@ -12,7 +12,9 @@ from typing import Any
 from stallfree.engine.outputs import IterationStats
 from stallfree.engine.server.observer import EngineObserver
 
-_SERIES = ("ttft", "tbt", "scheduling_delay", "e2e", "arrivals", "prompt_tokens", "admitted")
+_SERIES = (
+    "ttft", "tbt", "scheduling_delay", "e2e", "arrivals", "prompt_tokens", "admitted", "cache_queried", "cache_hit"
+)  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -22,6 +24,12 @@ def percentile(values: list[float], q: float) -> float | None:
     s = sorted(values)
     k = min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))
     return s[k]
+
+
+def _ratio(hits: list[float], queries: list[float]) -> float | None:
+    """Hit tokens over looked-up tokens in the window; None when nothing was looked up."""
+    q = sum(queries)
+    return sum(hits) / q if q > 0 else None
 
 
 class WindowStats(EngineObserver):
@@ -35,6 +43,7 @@ class WindowStats(EngineObserver):
         self._waiting: dict[str, int] = {}
         self._running: dict[str, int] = {}
         self._kv_usage = 0.0
+        self._cached_blocks = 0
         self._iterations: deque[tuple[float, int, int, float]] = deque()  # time, prefill, decode, seconds
         self.started = clock()
 
@@ -79,10 +88,14 @@ class WindowStats(EngineObserver):
     def on_iteration(
         self, stats: IterationStats | None, waiting: dict[str, int], running: dict[str, int], kv_usage: float
     ) -> None:
+        for cluster, queried, hit in stats.prefix_cache if stats is not None else ():
+            self._add(cluster, "cache_queried", float(queried))
+            self._add(cluster, "cache_hit", float(hit))
         now = self.clock()
         with self._lock:
             self._waiting, self._running, self._kv_usage = waiting, running, kv_usage
             if stats is not None:
+                self._cached_blocks = stats.num_cached_blocks
                 self._iterations.append(
                     (now, stats.num_prefill_tokens, stats.num_decode_tokens, stats.time_total)
                 )
@@ -124,19 +137,26 @@ class WindowStats(EngineObserver):
                     "schedulingDelayP50Seconds": percentile(vals["scheduling_delay"], 50),
                     "e2eP50Seconds": percentile(vals["e2e"], 50),
                     "arrivalRate": len(vals["arrivals"]) / span,
-                    "prefillTokenRate": sum(vals["prompt_tokens"]) / span,
+                    # NOTE: what prefill costs: prompt tokens less those served from the prefix cache
+                    "prefillTokenRate": max(0.0, sum(vals["prompt_tokens"]) - sum(vals["cache_hit"])) / span,
+                    "promptTokenRate": sum(vals["prompt_tokens"]) / span,
+                    "prefixCacheHitRate": _ratio(vals["cache_hit"], vals["cache_queried"]),
                     "samples": {"ttft": len(vals["ttft"]), "tbt": len(vals["tbt"])},
                     "outcomes": dict(self._outcomes.get(name, {})),
                     "rejections": self._rejections.get(name, 0),
                     "settings": settings,
                 }
             its = list(self._iterations)
+            hits = [v for c in self._series.values() for _, v in c["cache_hit"]]
+            queries = [v for c in self._series.values() for _, v in c["cache_queried"]]
+            cached_blocks = self._cached_blocks
         busy = sum(s for *_, s in its)
         return {
             "windowSeconds": self.window_s,
             "tokenBudget": config.token_budget,
             "chunkAlign": config.chunk_align,
             "kvCacheUsage": self._kv_usage,
+            "prefixCache": {"cachedBlocks": cached_blocks, "hitRate": _ratio(hits, queries)},
             "iterations": {
                 "count": len(its),
                 "prefillTokenRate": sum(p for _, p, _, _ in its) / span,

@@ -56,6 +56,7 @@ def engine_args(ctx: BuildContext) -> list[str]:
         "--traffic-clusters", f"{CONFIG_DIR}/{CONFIG_KEY}",
         "--tensor-parallel-size", str(s.parallelism.tensor),
         "--pipeline-parallel-size", str(s.parallelism.pipeline),
+        "--enable-prefix-caching" if s.engine.prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
 
 

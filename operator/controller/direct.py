@@ -63,9 +63,11 @@ class StatsSource:
         for name in clusters:
             acc: dict = {"waiting": 0.0, "running": 0.0, "arrival_rate": 0.0, "prefill_token_rate": 0.0}
             tbt = ttft = delay = None
-            rejections = 0.0
+            rejections = prompt_rate = 0.0
             for raw in raws.values():
                 c = (raw.get("trafficClusters") or {}).get(name) or {}
+                # prefillTokenRate is what needs prefill (uncached); the context is the whole prompt
+                prompt_rate += float(c.get("promptTokenRate", c.get("prefillTokenRate")) or 0.0)
                 tbt = _max(tbt, c.get("tbtP99Seconds"))
                 ttft = _max(ttft, c.get("ttftP99Seconds"))
                 delay = _max(delay, c.get("schedulingDelayP50Seconds"))
@@ -85,7 +87,7 @@ class StatsSource:
                 (rejections - prev_rej[1]) / (now - prev_rej[0]) if prev_rej and now > prev_rej[0] else 0.0
             )
             self._last_waiting[name + "\0rej"] = (now, rejections)
-            ctx = acc["prefill_token_rate"] / acc["arrival_rate"] if acc["arrival_rate"] > 0 else 0.0
+            ctx = prompt_rate / acc["arrival_rate"] if acc["arrival_rate"] > 0 else 0.0
             snaps[name] = ClusterSnapshot(
                 name=name,
                 tbt_p99=tbt,

@@ -94,7 +94,9 @@ class PrometheusSource:
                     values[name][field] = v
         snaps = {}
         for name, signals in values.items():
-            arrivals, prompt = signals.get("arrival_rate", 0.0), signals.get("prefill_token_rate", 0.0)
+            # NOTE: the context (attention) is the whole prompt; the prefill work only its uncached part
+            prompt = signals.pop("prompt_token_rate", signals.get("prefill_token_rate", 0.0))
+            arrivals = signals.get("arrival_rate", 0.0)
             snaps[name] = ClusterSnapshot(
                 name=name, mean_context=prompt / arrivals if arrivals > 0 else 0.0, **signals
             )

@@ -32,6 +32,14 @@ def gauge_by(gauge: str, selector: str, by: str = BY_CLUSTER) -> str:
     return f"sum by ({by}) ({gauge}{_sel(selector)})"
 
 
+def uncached_prompt_rate(selector: str, w: str) -> str:
+    """Prompt tokens per second that need prefill: arriving ones less those served from the prefix cache
+    (an engine without the hit counter counts as no hits)."""
+    prompt = rate_by("stallfree_prompt_tokens_total", selector, w)
+    hits = rate_by("stallfree_prefix_cache_hit_tokens_total", selector, w)
+    return f"clamp_min({prompt} - ({hits} or {prompt} * 0), 0)"
+
+
 def cluster_queries(selector: str, window_s: float) -> dict[str, str]:
     """Per-traffic-cluster signals of a ClusterSnapshot, keyed by its field names."""
     w = window(window_s)
@@ -43,7 +51,8 @@ def cluster_queries(selector: str, window_s: float) -> dict[str, str]:
         "waiting_trend": f"sum by ({BY_CLUSTER}) (deriv(stallfree_requests_waiting{_sel(selector)}[{w}]))",
         "running": gauge_by("stallfree_requests_running", selector),
         "arrival_rate": rate_by("stallfree_request_arrivals_total", selector, w),
-        "prefill_token_rate": rate_by("stallfree_prompt_tokens_total", selector, w),
+        "prefill_token_rate": uncached_prompt_rate(selector, w),
+        "prompt_token_rate": rate_by("stallfree_prompt_tokens_total", selector, w),
         "rejection_rate": rate_by("stallfree_rejections_total", selector, w),
     }
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from stallfree.bench.capacity import CapacitySearch
@@ -22,16 +23,19 @@ from stallfree.bench.host import describe
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
-from stallfree.bench.serve_cmd import bench_once, load_text_prompts
+from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
+from stallfree.bench.simulate import caching_modes, config_label
 from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import Trace, make_workload
 
 
 def warm_up(url: str, trace: Trace, args) -> None:
     """A few requests so first-call costs (allocator, kernels) do not land in the first measured run."""
+    # no shared prefixes here: the measured runs start from an empty prefix cache
     wl = make_workload(
-        trace, 4, qps=2.0, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed + 999
-    )
+        replace(trace, sharing=None), 4, qps=2.0, scale=args.scale, max_model_len=args.max_model_len,
+        seed=args.seed + 999,
+    )  # fmt: skip
     bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
 
 
@@ -57,6 +61,8 @@ def search_target(
             max_model_len=args.max_model_len,
             seed=args.seed,
         )
+        if name != "peer":
+            reset_prefix_cache(url)
         t0 = time.time()
         s, _ = bench_once(
             url,
@@ -93,14 +99,16 @@ def search_target(
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 
-def simulated(policy: str, budget: int, trace: Trace, args, slos: list[float], slo: SLO) -> dict | None:
+def simulated(
+    policy: str, budget: int, trace: Trace, args, slos: list[float], slo: SLO, caching: bool = True
+) -> dict | None:
     if not args.cost_model:
         return None
     from stallfree.bench.simulate import contention_of, sim_config, simulate_capacity
     from stallfree.costmodel.fitted import FittedCostModel
 
     cfg = sim_config(
-        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model))
+        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model)), caching
     )
     return simulate_capacity(trace, args, FittedCostModel.load(args.cost_model), cfg, slos, slo)
 
@@ -151,8 +159,9 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     results: dict[str, dict] = {}
     t_start = time.time()
-    for entry in policies:
+    for entry, caching in [(e, c) for e in policies for c in caching_modes(args)]:
         policy, budget = parse_policy_entry(entry, args.token_budget)
+        entry = config_label(entry, caching)
         spec = ServerSpec(
             policy=policy,
             token_budget=budget,
@@ -163,6 +172,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             load_format=args.load_format,
             threads=args.threads,
             extra_args=iteration_log_args(args.iteration_logs, out, entry),
+            prefix_caching=caching,
         )
         log(f"{entry}: starting stallfree serve (budget {budget}, {args.threads} thread(s))")
         with ServerProcess(spec, out / f"server-{entry.replace('@', '-')}.log") as server:
@@ -171,8 +181,9 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
                 "measured": search_target(entry, server.url, trace, args, slos, slo, log),
                 "server": spec.command(0),
                 "token_budget": budget,
+                "prefix_caching": caching,
             }
-        results[entry]["simulated"] = simulated(policy, budget, trace, args, slos, slo)
+        results[entry]["simulated"] = simulated(policy, budget, trace, args, slos, slo, caching)
     if args.peer_url:
         log(f"peer {args.peer_url}")
         results["peer"] = {

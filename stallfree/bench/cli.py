@@ -16,9 +16,9 @@ import sys
 
 from stallfree.bench import accuracy_cmd, capacity_cmd, sweep_cmd
 from stallfree.bench.metrics import SLO
-from stallfree.bench.simulate import add_workload_args, tbt_slos
+from stallfree.bench.simulate import add_workload_args, caching_modes, load_workload_trace, tbt_slos
 from stallfree.bench.simulator import POLICY_NAMES, parse_policy_entry
-from stallfree.bench.traces import load_trace, make_workload
+from stallfree.bench.traces import make_workload
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
 SERVE_EXAMPLE = """\
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 parse_policy_entry(p, args.token_budget)
             elif p.strip() and p.strip() not in POLICY_NAMES:
                 raise ValueError(f"unknown policy {p.strip()!r}; choose from {', '.join(POLICY_NAMES)}")
-        trace = load_trace(args.trace)
+        trace = load_workload_trace(args)
+        caching_modes(args)
         if args.command in ("capacity", "sweep"):  # the servers' model, checked before any starts
             args.model, args.load_format = resolve_load_format(args.model, args.load_format, args.shape)
         if args.command == "serve":

@@ -239,7 +239,9 @@ def run_backend(
         scheduler=SchedulerConfig(
             policy="sarathi", max_num_seqs=128, tunables=SchedulerTunables(token_budget=8192)
         ),
-        cache=CacheConfig(num_kv_blocks=blocks),
+        cache=CacheConfig(
+            num_kv_blocks=blocks, enable_prefix_caching=False
+        ),  # NOTE: repeated prompts must be computed, not served from the prefix cache
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, loaded=loaded)

@@ -42,6 +42,7 @@ class ServerSpec:
     load_format: str = "auto"  # "dummy": random weights of the shape `model` names (stallfree serve --shape)
     threads: int = 1  # torch CPU threads (OMP_NUM_THREADS)
     extra_args: list[str] = field(default_factory=list)
+    prefix_caching: bool = True
 
     def command(self, port: int) -> list[str]:
         policy, hybrid = split_policy(self.policy)
@@ -57,6 +58,8 @@ class ServerSpec:
             cmd += ["--model", self.model]
         if self.load_format != "auto":
             cmd += ["--load-format", self.load_format]
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         return cmd + self.extra_args
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from stallfree.bench.metrics import ERROR, OK, REJECTED, TIMEOUT, RequestRecord
-from stallfree.bench.traces import Workload, prompt_token_ids
+from stallfree.bench.traces import Workload
 
 if TYPE_CHECKING:
     from stallfree.bench.textprompts import TextPrompts
@@ -40,6 +40,8 @@ SERVER_COUNTERS = {
     "preemptions": "stallfree_preemptions_total",
     "rejections": "stallfree_rejections_total",
     "iterations": "stallfree_iterations_total",
+    "prefix_cache_query_tokens": "stallfree_prefix_cache_query_tokens_total",
+    "prefix_cache_hit_tokens": "stallfree_prefix_cache_hit_tokens_total",
 }
 
 
@@ -161,9 +163,7 @@ async def run_workload(
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(timeout)) as client:
         model = model or await fetch_model_id(client, base)
         bodies = [
-            request_body(
-                model, prompt_token_ids(r.index, r.prompt_tokens, workload.seed), r.output_tokens, logprobs
-            )
+            request_body(model, r.token_ids(workload.seed), r.output_tokens, logprobs)
             for r in workload.requests
         ]
         if text_prompts is not None:  # servers that take only strings (see stallfree.bench.textprompts)

@@ -59,7 +59,9 @@ def _engine(loaded, max_seqs: int, kv_tokens: int):
         scheduler=SchedulerConfig(
             policy="sarathi", max_num_seqs=max_seqs, tunables=SchedulerTunables(token_budget=8192)
         ),
-        cache=CacheConfig(num_kv_blocks=kv_tokens // 16 + 64),
+        cache=CacheConfig(
+            num_kv_blocks=kv_tokens // 16 + 64, enable_prefix_caching=False
+        ),  # NOTE: repeated prompts must be computed, not served from the prefix cache
     )
     return LLMEngine(cfg, loaded=loaded)
 

@@ -13,6 +13,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+import httpx
 import numpy as np
 from tqdm import tqdm
 
@@ -57,6 +58,17 @@ def load_text_prompts():
     from stallfree.bench.textprompts import TextPrompts
 
     return TextPrompts.from_gguf()
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Empty a stallfree server's prefix cache (POST /admin/v1/reset_prefix_cache) so a run does not hit
+    what the previous run at another QPS left (a capacity search replays the same prompts). False when the
+    server has no such endpoint (a peer server)."""
+    r = httpx.post(f"{url.rstrip('/')}/admin/v1/reset_prefix_cache", timeout=30.0)
+    if r.status_code == 404:
+        return False
+    r.raise_for_status()
+    return True
 
 
 def bench_once(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,9 @@ from tqdm import tqdm
 from stallfree.bench.capacity import CapacitySearch
 from stallfree.bench.metrics import SLO, meets_capacity_slo, summarize
 from stallfree.bench.report import latency_cells, pyplot, table, write_json
+from stallfree.bench.sharing import KINDS, Sharing, parse_turns
 from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, POLICY_NAMES, SimConfig, simulate
-from stallfree.bench.traces import load_trace, make_workload
+from stallfree.bench.traces import Trace, load_trace, make_workload
 from stallfree.costmodel.fitted import FittedCostModel
 
 
@@ -43,6 +45,36 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
         "--slo-tbt", default="1.0", help="P99 TBT SLO(s), seconds; a comma list searches capacity for each"
     )
     ap.add_argument("--slo-delay", type=float, default=2.0, help="P50 scheduling delay SLO for capacity, s")
+    ap.add_argument("--workload", choices=KINDS, default="trace", help="trace: every prompt its own ids; "
+                    "system-prompt: one shared system prompt + trace-length user turns; multi-turn: "
+                    "conversations whose turns resend the conversation so far (see stallfree.bench.sharing)")  # fmt: skip
+    ap.add_argument(
+        "--system-prompt-tokens", type=int, default=1000, help="system-prompt workload: its length"
+    )
+    ap.add_argument("--turns", default="3-6", help="multi-turn workload: turns per conversation, MIN-MAX")
+    ap.add_argument("--conversations", type=int, default=8, help="multi-turn workload: conversations at once")
+    ap.add_argument("--prefix-caching", default="on", help="on, off, or on,off (each in turn, side by side): "
+                    "the servers' --[no-]enable-prefix-caching and the simulator's")  # fmt: skip
+
+
+def load_workload_trace(args) -> Trace:
+    """--trace with the sharing the --workload options ask for."""
+    lo, hi = parse_turns(args.turns)
+    sharing = Sharing(args.workload, args.system_prompt_tokens, lo, hi, args.conversations)
+    return replace(load_trace(args.trace), sharing=sharing)
+
+
+def caching_modes(args) -> list[bool]:
+    """--prefix-caching on / off / on,off -> [True], [False], [True, False]."""
+    modes = [m.strip() for m in str(args.prefix_caching).split(",") if m.strip()]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise ValueError(f"--prefix-caching must be on, off or on,off; got {args.prefix_caching!r}")
+    return [m == "on" for m in dict.fromkeys(modes)]
+
+
+def config_label(name: str, caching: bool) -> str:
+    """A configuration's name in reports: `sarathi`, or `sarathi-nocache` with prefix caching off."""
+    return name if caching else f"{name}-nocache"
 
 
 def tbt_slos(arg: str) -> list[float]:
@@ -86,7 +118,7 @@ def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: SLO, bar=N
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 
-def sim_config(args, policy: str, budget: int, contention: float) -> SimConfig:
+def sim_config(args, policy: str, budget: int, contention: float, caching: bool = True) -> SimConfig:
     """The simulated replica for a bench command's server knobs (--max-num-seqs, --num-kv-blocks, ...)."""
     return SimConfig(
         policy=policy,
@@ -97,6 +129,7 @@ def sim_config(args, policy: str, budget: int, contention: float) -> SimConfig:
         chunk_align=args.chunk_align,
         overhead_s=args.overhead_ms / 1e3,
         contention=contention,
+        enable_prefix_caching=caching,
     )
 
 
@@ -186,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slos = tbt_slos(args.slo_tbt)
         cost = FittedCostModel.load(args.cost_model)
-        trace = load_trace(args.trace)
+        trace = load_workload_trace(args)
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         budgets = [int(b) for b in args.token_budget.split(",")]
         configs = [
-            sim_config(args, p, b, contention_of(args.contention, cost))
+            sim_config(args, p, b, contention_of(args.contention, cost), caching)
             for p in policies
             for b in (budgets if p.startswith("sarathi") else budgets[:1])
+            for caching in caching_modes(args)
         ]
         for c in configs:
             c.scheduler()  # validates policy / budget with the scheduler's own messages
@@ -218,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             res = simulate(wl, cost, cfg)
             s = summarize(res.records, slo)
             r = {
-                "policy": cfg.policy,
+                "policy": config_label(cfg.policy, cfg.enable_prefix_caching),
+                "prefix_caching": cfg.enable_prefix_caching,
                 "token_budget": cfg.token_budget,
                 "qps": args.qps,
                 "summary": s,

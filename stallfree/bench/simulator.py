@@ -70,6 +70,7 @@ class SimConfig:
     chunk_align: int = 0
     overhead_s: float = 0.0  # per-iteration time outside the profiled engine step (server loop, streaming)
     contention: float = 1.0  # multiply the cost model's (idle-box) time: how much slower a shared box runs
+    enable_prefix_caching: bool = True  # as `stallfree serve` (the same block manager, so the same hits)
 
     def scheduler(self) -> Scheduler:
         policy, hybrid = split_policy(self.policy)
@@ -81,7 +82,10 @@ class SimConfig:
             hybrid_batching=hybrid,
             tunables=SchedulerTunables(token_budget=self.token_budget),
         )
-        return Scheduler(cfg, BlockManager(self.num_kv_blocks, self.block_size))
+        bm = BlockManager(
+            self.num_kv_blocks, self.block_size, enable_prefix_caching=self.enable_prefix_caching
+        )
+        return Scheduler(cfg, bm)
 
 
 @dataclass(slots=True)
@@ -117,7 +121,8 @@ def simulate(
             sched.add_request(
                 Request(
                     request_id=str(r.index),
-                    prompt_token_ids=[1] * r.prompt_tokens,
+                    # NOTE: the load generator's ids: prefix-cache hits happen where they do on the server
+                    prompt_token_ids=r.token_ids(workload.seed),
                     sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                     arrival_time=r.arrival,
                 )

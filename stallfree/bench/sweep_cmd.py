@@ -21,11 +21,12 @@ from stallfree.bench.capacity_cmd import warm_up
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import SLO, summarize
 from stallfree.bench.report import latency_cells, ms, pyplot, table, write_json
-from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.serve_cmd import bench_once, reset_prefix_cache
+from stallfree.bench.simulate import caching_modes, config_label
 from stallfree.bench.traces import Trace, make_workload
 
 
-def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | None:
+def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO, caching: bool = True) -> dict | None:
     if not args.cost_model:
         return None
     from stallfree.bench.simulate import contention_of, sim_config
@@ -33,7 +34,7 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO) -> dict | N
     from stallfree.costmodel.fitted import FittedCostModel
 
     cfg = sim_config(
-        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model))
+        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model)), caching
     )
     wl = make_workload(
         trace,
@@ -121,28 +122,33 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
     )
     rows = []
     t0 = time.time()
-    for policy in dict.fromkeys(p for p, _ in configs):
+    for policy, caching in [
+        (p, c) for p in dict.fromkeys(p for p, _ in configs) for c in caching_modes(args)
+    ]:
         mine = [b for p, b in configs if p == policy]
+        label = config_label(policy, caching)
         spec = ServerSpec(policy=policy, token_budget=mine[0], max_num_seqs=args.max_num_seqs,
                           num_kv_blocks=args.num_kv_blocks, chunk_align=args.chunk_align, model=args.model,
                           load_format=args.load_format, threads=args.threads,
-                          extra_args=iteration_log_args(args.iteration_logs, out, policy))  # fmt: skip
-        print(f"{policy}: starting stallfree serve", file=sys.stderr, flush=True)
-        with ServerProcess(spec, out / f"server-{policy}.log") as server:
+                          extra_args=iteration_log_args(args.iteration_logs, out, label),
+                          prefix_caching=caching)  # fmt: skip
+        print(f"{label}: starting stallfree serve", file=sys.stderr, flush=True)
+        with ServerProcess(spec, out / f"server-{label}.log") as server:
             warm_up(server.url, trace, args)
             for budget in mine:
                 # One server per policy; the budget changes at run time through the admin API.
                 set_budget(server.url, budget)
+                reset_prefix_cache(server.url)  # each run starts from an empty prefix cache
                 s, _ = bench_once(
                     server.url,
                     wl,
                     slo,
                     model=args.model_name,
                     logprobs=True,  # our own servers: one chunk per token, so every gap is seen
-                    desc=f"{policy} b={budget}",
+                    desc=f"{label} b={budget}",
                 )
-                rows.append({"policy": policy, "token_budget": budget, "measured": s,
-                             "predicted": _predict(policy, budget, trace, args, slo)})  # fmt: skip
+                rows.append({"policy": label, "prefix_caching": caching, "token_budget": budget, "measured": s,
+                             "predicted": _predict(policy, budget, trace, args, slo, caching)})  # fmt: skip
     wall = time.time() - t0
     path = write_json(
         out, "sweep.json", {"args": vars(args), "workload": wl.describe(), "wall_s": wall, "rows": rows}

@@ -15,8 +15,12 @@ import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from stallfree.bench.sharing import Sharing
 
 TRACE_FILES = {
     "sharegpt": "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
@@ -38,6 +42,16 @@ class TraceRequest:
     output_tokens: int
     arrival: float
     traffic_cluster: str | None = None
+    # The prompt's token ids when they matter (workloads with shared prefixes); None = synthetic ids that
+    # share nothing (prompt_token_ids(index, prompt_tokens, seed)).
+    prompt_ids: tuple[int, ...] | None = None
+
+    def token_ids(self, seed: int) -> list[int]:
+        return (
+            list(self.prompt_ids)
+            if self.prompt_ids is not None
+            else prompt_token_ids(self.index, self.prompt_tokens, seed)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,7 @@ class Trace:
     prompt_tokens: np.ndarray  # (N,) int64, raw lengths from the file
     output_tokens: np.ndarray  # (N,) int64
     arrivals: np.ndarray | None  # (N,) float64 seconds, when the file has them
+    sharing: Sharing | None = None  # how requests share prompt prefixes (stallfree.bench.sharing)
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
@@ -118,6 +133,7 @@ class Workload:
     qps: float | None  # None = the trace's own arrival times
     requests: tuple[TraceRequest, ...]
     num_clipped: int
+    sharing: dict | None = None  # Sharing.describe() of a shared-prefix workload
 
     def describe(self) -> dict:
         p = np.array([r.prompt_tokens for r in self.requests])
@@ -136,6 +152,7 @@ class Workload:
             "output_tokens_median": float(np.median(o)),
             "output_tokens_p90": float(np.percentile(o, 90)),
             "output_tokens_max": int(o.max()),
+            "sharing": self.sharing or {"kind": "trace"},
         }
 
 
@@ -197,6 +214,12 @@ def make_workload(
         arrivals = poisson_arrivals(len(idx), qps, seed)
     p, o, clipped = scale_and_clip(trace.prompt_tokens[idx], trace.output_tokens[idx], scale, max_model_len)
     reqs = tuple(TraceRequest(i, int(p[i]), int(o[i]), float(arrivals[i])) for i in range(len(idx)))
+    if trace.sharing is not None and trace.sharing.kind != "trace":
+        from stallfree.bench.sharing import apply_sharing  # noqa: PLC0415 - sharing imports this module
+
+        reqs, cut = apply_sharing(reqs, trace.sharing, seed, max_model_len)
+        return Workload(trace.name, scale, max_model_len, seed, qps, reqs, clipped + cut,
+                        trace.sharing.describe())  # fmt: skip
     return Workload(trace.name, scale, max_model_len, seed, qps, reqs, clipped)
 
 

@@ -13,7 +13,7 @@ import pytest
 from stallfree.bench import cli
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
 from stallfree.bench.metrics import OK, REJECTED, SLO
-from stallfree.bench.serve_cmd import bench_once
+from stallfree.bench.serve_cmd import bench_once, reset_prefix_cache
 from stallfree.bench.traces import TraceRequest, Workload
 
 pytestmark = pytest.mark.slow
@@ -64,6 +64,8 @@ def test_iteration_log_accounts_for_every_token(server):
     token once, and each busy iteration's period is at least its own step."""
     before = len(server.iteration_log.read_text().splitlines()) if server.iteration_log.exists() else 0
     wl = workload([(70, 5), (33, 8), (120, 3)], gap=0.2)
+    # the first test sent prompts with the same ids (same indices and seed): they would come from the cache
+    assert reset_prefix_cache(server.url)
     summary, _ = bench_once(server.url, wl, SLO(ttft=60, tbt=30), progress=False)
     assert summary["outcomes"]["ok"] == 3
     lines = server.iteration_log.read_text().splitlines()[before:]  # flushed when the engine went idle

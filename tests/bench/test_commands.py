@@ -86,3 +86,21 @@ def test_profile_on_the_real_model_with_a_tiny_grid(tmp_path, capsys):
         assert p["features"]["decode_tokens"] == p["decodes"]
         assert p["features"]["prefill_tokens"] == p["chunk"]
     assert (tmp_path / "profile.png").stat().st_size > 0
+
+
+def test_simulate_a_shared_system_prompt_with_caching_on_and_off(tmp_path, capsys):
+    cost_path = tmp_path / "cost.json"
+    make_cost_model().save(cost_path)
+    trace = write_trace(tmp_path / "t.csv", [(60 + 7 * i, 10 + i % 7) for i in range(50)])
+    argv = ["--trace", str(trace), "--cost-model", str(cost_path), "--policy", "sarathi", "--token-budget", "256",
+            "--num-requests", "30", "--qps", "0.5", "--workload", "system-prompt", "--system-prompt-tokens", "800",
+            "--out", str(tmp_path / "sim")]  # fmt: skip
+    assert simulate.main([*argv, "--prefix-caching", "on,off"]) == 0
+    data = json.loads((tmp_path / "sim" / "simulate.json").read_text())
+    on, off = data["results"]
+    assert (on["policy"], off["policy"]) == ("sarathi", "sarathi-nocache")
+    assert on["prefix_caching"] is True and off["prefix_caching"] is False
+    assert on["workload"]["sharing"]["system_prompt_tokens"] == 800
+    assert on["summary"]["ttft_s"]["p50"] * 3 < off["summary"]["ttft_s"]["p50"]
+    assert simulate.main([*argv, "--prefix-caching", "maybe"]) == 2
+    assert "--prefix-caching" in capsys.readouterr().err

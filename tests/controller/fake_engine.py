@@ -68,6 +68,8 @@ class FakeEngine:
         self.requests = Counter("stallfree_requests", "n", ["traffic_cluster", "outcome"], registry=r)
         self.arrivals = Counter("stallfree_request_arrivals", "a", lab, registry=r)
         self.prompt = Counter("stallfree_prompt_tokens", "p", lab, registry=r)
+        self.cache_hits = Counter("stallfree_prefix_cache_hit_tokens", "h", lab, registry=r)
+        self.cached_share = {c: 0.0 for c in clusters}  # share of prompt tokens served from the prefix cache
         self.gen = Counter("stallfree_generation_tokens", "g", lab, registry=r)
         self.preempt = Counter("stallfree_preemptions", "p", registry=r)
         self.reject = Counter("stallfree_rejections", "r", ["traffic_cluster", "reason"], registry=r)
@@ -124,6 +126,7 @@ class FakeEngine:
                 reqs, tokens = self.rate[c]
                 self.arrivals.labels(c).inc(reqs * 0.1)
                 self.prompt.labels(c).inc(reqs * tokens * 0.1)
+                self.cache_hits.labels(c).inc(reqs * tokens * 0.1 * self.cached_share.get(c, 0.0))
                 self.gen.labels(c).inc(reqs * 2)
                 self.requests.labels(c, "stop").inc(reqs * 0.1)
                 self.running.labels(c).set(4)

@@ -22,7 +22,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def fleet():
-    engine = FakeEngine()
+    engine = FakeEngine(clusters=("chat", "summarization", "cached"))
+    engine.cached_share["cached"] = 0.75  # a shared system prompt: 3/4 of its prompt tokens hit the cache
     prom = PrometheusServer().start()
     prom.set_targets([engine.target])
     prom.wait_for(
@@ -46,6 +47,11 @@ def test_snapshot_reads_every_signal(fleet):
     assert chat.running == 4 and chat.waiting == 1
     assert 0.1 < chat.arrival_rate < 2 and 10 < chat.prefill_token_rate < 200
     assert 50 < chat.mean_context < 150
+    # prefix caching: the feed-forward's demand is the uncached quarter; the context stays the whole prompt
+    cached = src.snapshot(5, ["cached"]).cluster("cached")
+    assert 50 < cached.mean_context < 150
+    uncached_share = cached.prefill_token_rate / (cached.mean_context * cached.arrival_rate)
+    assert 0.2 < uncached_share < 0.3
     absent = snap.cluster("absent")
     assert absent.tbt_p99 is None and absent.arrival_rate == 0  # no traffic is not missing data
     assert src.last_replicas and src.last_replicas[0].instance == engine.target

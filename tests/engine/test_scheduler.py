@@ -169,8 +169,9 @@ POLICIES = ["sarathi", "vllm", "orca", "static"]
     num_blocks=st.integers(12, 64),
     align=st.sampled_from([0, 8]),
     hybrid=st.booleans(),
+    caching=st.booleans(),
 )
-def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid):
+def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid, caching):
     block_size = 8
     max_num_seqs = 6
     budget = max(budget, max_num_seqs)  # room for every running decode
@@ -184,6 +185,7 @@ def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_block
         max_num_seqs=max_num_seqs,
         chunk_align=align,
         hybrid_batching=hybrid,
+        prefix_caching=caching,  # the factory's prompts all share their prefix: many hits
     )
     reqs = make_requests(prompt_lens, max_tokens=max_tokens)
 

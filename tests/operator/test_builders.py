@@ -88,7 +88,8 @@ def test_golden_manifests(case: str):
 
 def test_engine_args_follow_the_engine_cli_contract():
     ctx = make_ctx(load_example("multi-cluster.yaml")["spec"])
-    args = engine_args(ctx)
+    *args, caching = engine_args(ctx)
+    assert caching == "--enable-prefix-caching"  # spec.engine.prefixCaching defaults to true
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags == {
         "--model": "/models/llama-3.1-8b-instruct",
@@ -105,6 +106,8 @@ def test_engine_args_follow_the_engine_cli_contract():
     }
     assert make_ctx({"model": {}}).spec.model.name == "SmolLM2-135M-Instruct"
     assert engine_args(make_ctx({"model": {}}))[1] == "SmolLM2-135M-Instruct"
+    off = make_ctx({"model": {}, "engine": {"prefixCaching": False}})
+    assert engine_args(off)[-1] == "--no-enable-prefix-caching"
 
 
 def test_engine_config_copies_traffic_clusters_and_fills_defaults():

@@ -115,6 +115,7 @@ INVALID = [
     ("policy-unknown", _with("engine.policy", "fifo"), "spec.engine.policy"),
     ("dtype-unknown", _with("model.dtype", "int8"), "spec.model.dtype"),
     ("block-size-odd", _with("engine.blockSize", 24), "spec.engine.blockSize"),
+    ("prefix-caching-not-bool", _with("engine.prefixCaching", "yes"), "spec.engine.prefixCaching"),
     (
         "pvc-without-claim",
         _with("model.source", {"type": "PersistentVolumeClaim"}),
@@ -220,6 +221,7 @@ def test_api_server_fills_defaults(custom_api):
     assert spec["replicas"] == {"min": 1, "max": 1}
     assert spec["budget"] == {"initial": 512, "min": 128, "max": 4096, "align": 32}
     assert spec["engine"]["policy"] == "sarathi" and spec["engine"]["port"] == 8000
+    assert spec["engine"]["prefixCaching"] is True
     assert spec["resources"]["gpuResourceName"] == "nvidia.com/gpu"
     assert spec["controller"] == {"enabled": True, "intervalSeconds": 15, "windowSeconds": 60}
 

@@ -69,11 +69,12 @@ def start_server(
     max_num_seqs: int = 64,
     policy: str = "sarathi",
     drain_timeout_s: float = 10.0,
+    enable_prefix_caching: bool = True,
 ) -> LiveServer:
     config = parse_traffic_config(traffic or {})
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, tunables=config.tunables()),
-        cache=CacheConfig(num_kv_blocks=num_kv_blocks),
+        cache=CacheConfig(num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
     )
     settings = ServerSettings(
         host=settings_host,

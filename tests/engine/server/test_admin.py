@@ -20,7 +20,9 @@ METRIC_NAMES = [
     "stallfree_prompt_tokens_total", "stallfree_generation_tokens_total", "stallfree_preemptions_total",
     "stallfree_rejections_total", "stallfree_iterations_total", "vllm:num_requests_waiting",
     "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
+    "vllm:inter_token_latency_seconds", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "stallfree_prefix_cache_query_tokens_total", "stallfree_prefix_cache_hit_tokens_total",
+    "stallfree_prefix_cache_hit_ratio", "stallfree_prefix_cache_blocks",
 ]  # fmt: skip
 
 

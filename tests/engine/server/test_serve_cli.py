@@ -117,3 +117,13 @@ def test_attention_backend_and_enforce_eager_reach_the_engine_config():
     assert config.attention_backend == "auto" and config.cuda_graphs is True
     config, _ = build_configs(build_parser().parse_args(["--attention-backend", "triton", "--enforce-eager"]))
     assert config.attention_backend == "triton" and config.cuda_graphs is False
+
+
+def test_prefix_caching_flag_reaches_the_engine_config():
+    """On by default; the operator passes one of the two forms (spec.engine.prefixCaching)."""
+    from stallfree.engine.serve_cli import build_configs, build_parser
+
+    assert build_configs(build_parser().parse_args([]))[0].cache.enable_prefix_caching is True
+    for flag, on in (("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)):
+        config, _ = build_configs(build_parser().parse_args([flag]))
+        assert config.cache.enable_prefix_caching is on
