@@ -320,7 +320,9 @@ class LLMEngine:
             else:
                 results.append(self.outputs.make_output(req))
         t3 = time.perf_counter()
-        stats = self._stats(sched, run, t_sched, t3 - t2, now)
+        # NOTE: the stats' time is the step's end, after the update: the iteration log's period (end to
+        # end) must cover the whole step it is compared with. Tokens keep `now`, when they were sampled.
+        stats = self._stats(sched, run, t_sched, t3 - t2, self.clock())
         self.last_stats = stats
         for listener in self.stats_listeners:
             listener(stats, results)
