@@ -229,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config)
+        # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups).
+        self.logits_proj: nn.Module | None = None
 
     # Set by the CUDA runner: norms, RoPE and SiLU-and-mul through the fused Triton kernels.
     fused_kernels: bool = False
@@ -255,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, C) hidden states -> (N, vocab) float32 logits."""
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
