@@ -32,7 +32,9 @@ ONE_SHOT = 1 << 20
 
 
 def _engine(loaded, budget: int, policy: str = "sarathi", blocks: int = 2048) -> LLMEngine:
+    weights = next(loaded.model.parameters())  # the KV cache takes the model's dtype
     cfg = EngineConfig(
+        dtype=str(weights.dtype).removeprefix("torch."),
         scheduler=SchedulerConfig(
             policy=policy, max_num_seqs=256, tunables=SchedulerTunables(token_budget=budget)
         ),
