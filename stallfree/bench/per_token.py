@@ -22,15 +22,17 @@ LLAMACPP_SCRIPT = """
 import json, sys, time
 from llama_cpp import Llama
 path, threads, context, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
-prompt = [(1009 * (i + 1)) % 48000 + 100 for i in range(context)]
-llm.eval(prompt)
-tok, times = 1000, []
-for _ in range(steps):
+# NOTE: verbose=False and the low-level eval() both segfault in 0.3.36 here; completions work.
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=True)
+def run(salt, n):
+    prompt = [(1009 * (i + 1) + 7919 * salt) % 48000 + 100 for i in range(context)]  # no shared prefix
     t0 = time.perf_counter()
-    llm.eval([tok])
-    times.append(time.perf_counter() - t0)
-    tok = (tok * 7 + 13) % 48000 + 100
+    llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias={2: -100.0})
+    return time.perf_counter() - t0
+run(0, 2)
+times = []
+for k in range(3):  # (n + 1 tokens) - (1 token): n decode steps without the prefill
+    times.append((run(2 * k + 1, steps + 1) - run(2 * k + 2, 1)) / steps)
 print(json.dumps(times))
 """
 
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.llamacpp_python:
             t = llamacpp_times(
                 args.llamacpp_python, str(default_model_path()), args.threads, args.context, args.steps * 2
-            )
+            )  # three per-token estimates, each from a 2 x steps-token completion minus a 1-token one
             times.setdefault("llamacpp@1", []).extend(t)
         for m in modes:
             for b in batches:
