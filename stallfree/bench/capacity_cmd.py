@@ -30,7 +30,13 @@ from stallfree.bench.traces import Trace, make_workload
 def warm_up(url: str, trace: Trace, args) -> None:
     """A few requests so first-call costs (allocator, kernels) do not land in the first measured run."""
     wl = make_workload(
-        trace, 4, qps=2.0, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed + 999
+        trace,
+        4,
+        qps=2.0,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed + 999,
+        max_output_tokens=args.max_output_tokens,
     )
     bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
 
@@ -56,6 +62,7 @@ def search_target(
             scale=args.scale,
             max_model_len=args.max_model_len,
             seed=args.seed,
+            max_output_tokens=args.max_output_tokens,
         )
         t0 = time.time()
         s, records = bench_once(
@@ -202,7 +209,13 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
         }
     wall = time.time() - t_start
     wl = make_workload(
-        trace, args.num_requests, qps=1.0, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed
+        trace,
+        args.num_requests,
+        qps=1.0,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        max_output_tokens=args.max_output_tokens,
     ).describe()
     path = write_json(
         out,
