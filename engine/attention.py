@@ -159,8 +159,16 @@ class TorchAttention:
             kf, vf = self.cache.flat(layer)
             out = torch.empty_like(q)
             for grp in meta.decode_groups:
-                kp, vp = self.cache.k[layer][grp.blocks], self.cache.v[layer][grp.blocks]
-                out[grp.rows] = self._decode(q[grp.rows], kp.flatten(1, 2), vp.flatten(1, 2), grp.mask)
+                g, n_pages = grp.blocks.shape
+                # Whole pages, gathered with index_select (2-3x faster than advanced indexing here).
+                pages = grp.blocks.view(-1)
+                kp = self.cache.k[layer].index_select(0, pages).view(g, -1, *kf.shape[1:])  # (g, L, KVH, hd)
+                vp = self.cache.v[layer].index_select(0, pages).view(g, -1, *vf.shape[1:])
+                if len(meta.decode_groups) == 1 and not meta.prefills and g == q.shape[0]:
+                    # One group, nothing else: its rows are a permutation of the whole batch.
+                    out.index_copy_(0, grp.rows, self._decode(q.index_select(0, grp.rows), kp, vp, grp.mask))
+                else:
+                    out[grp.rows] = self._decode(q[grp.rows], kp, vp, grp.mask)
             for p in meta.prefills:
                 sl = slice(p.q_start, p.q_start + p.q_len)
                 out[sl] = self._prefill(q[sl], kf[p.kv_slots], vf[p.kv_slots], p.context_len)

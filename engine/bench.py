@@ -32,7 +32,9 @@ ONE_SHOT = 1 << 20
 
 
 def _engine(loaded, budget: int, policy: str = "sarathi", blocks: int = 2048) -> LLMEngine:
+    weights = next(loaded.model.parameters())  # the KV cache takes the model's dtype
     cfg = EngineConfig(
+        dtype=str(weights.dtype).removeprefix("torch."),
         scheduler=SchedulerConfig(
             policy=policy, max_num_seqs=256, tunables=SchedulerTunables(token_budget=budget)
         ),
@@ -235,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/engine-bench", help="folder for JSON and plots")
     g = ap.add_argument_group("GPU (--device cuda: decode/prefill/hybrid against their floors, docs/gpu.md)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default cpu)")
-    g.add_argument("--dtype", default="auto", help="cuda: auto (bfloat16), bfloat16, float16 or float32")
+    g.add_argument("--dtype", default="auto", help="cuda: auto (bfloat16), bfloat16, float16 or float32; "
+                   "cpu: auto (float32) or bfloat16")  # fmt: skip
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="cpu with "
+                    "--dtype bfloat16: weight-only linear layers")  # fmt: skip
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights of --shape"
     )
@@ -261,13 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(args.model, dtype=torch.float32)
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    loaded = load_model(args.model, dtype=dtype, quantization=args.quantization)
     total = args.reps * len(lengths) * (len(budgets) + 1) + len(batches) + 3 + 1
     with tqdm(total=total, desc="engine-bench", file=sys.stderr) as bar:
         result = {
             "model": loaded.name,
             "threads": args.threads,
             "device": "cpu",
+            "dtype": str(dtype).removeprefix("torch."),
+            "quantization": args.quantization,
             "chunking": bench_chunking(loaded, lengths, budgets, args.reps, bar),
             "decode": bench_decode(loaded, batches, args.context, args.steps, bar),
             "hybrid": bench_hybrid(loaded, 16, 512, args.context, args.steps, bar),

@@ -8,6 +8,7 @@ POLICIES = ("sarathi", "vllm", "orca", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "int8", "int4")  # CPU weight-only (stallfree.engine.model.cpu_linear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,8 @@ class EngineConfig:
     # CUDA: hybrid/prefill iterations up to this many tokens replay piecewise graphs (0 = always eager)
     max_graph_tokens: int = 1024
     max_model_len: int | None = None  # None = the model's context length
+    quantization: str = "none"  # CPU, bf16 only: int8 / int4 weight-only linear layers
+    threads: int | None = None  # torch CPU threads; None = leave torch's setting (OMP_NUM_THREADS or cores)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -139,6 +142,14 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.quantization != "none" and self.parallel.world_size > 1:
+            raise ValueError("quantization runs in the single-process CPU engine only (world size 1)")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"

@@ -78,6 +78,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = loaded or load_model(
@@ -87,6 +89,7 @@ class LLMEngine:
             load_format=config.load_format,
             seed=config.seed,
             max_model_len=config.max_model_len,
+            quantization=config.quantization,
         )
         mc = self.loaded.config
         self.model_config = mc
@@ -109,10 +112,13 @@ class LLMEngine:
         self.clock: Callable[[], float] = time.monotonic
         self.last_stats: IterationStats | None = None
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s policy=%s budget=%d kv_blocks=%d x %d tokens, backend=%s",
+            "engine ready: model=%s device=%s dtype=%s quantization=%s threads=%d policy=%s budget=%d "
+            "kv_blocks=%d x %d tokens, backend=%s",
             self.loaded.name,
             self.device,
             self.dtype,
+            config.quantization,
+            torch.get_num_threads(),
             sched_cfg.policy,
             sched_cfg.tunables.token_budget,
             self.num_kv_blocks,

@@ -38,6 +38,8 @@ class LLM:
     attention_backend: auto (CUDA: the Triton kernels in bf16/fp16, torch in fp32; CPU: torch), torch,
     triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
     enable_prefix_caching (default True) reuses the K/V of full blocks shared with earlier prompts.
+    On the CPU, dtype="bfloat16" runs oneDNN's bf16 matmuls and quantization="int4"/"int8" weight-only
+    linear layers (docs/engine.md measures each against fp32); threads sets torch's CPU threads.
     """
 
     def __init__(
@@ -64,6 +66,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
+        quantization: str = "none",
+        threads: int | None = None,
     ) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
             raise ValueError(
@@ -73,6 +77,8 @@ class LLM:
             model=model,
             load_format=load_format,
             dtype=dtype,
+            quantization=quantization,
+            threads=threads,
             device=device,
             attention_backend=attention_backend,
             cuda_graphs=not enforce_eager,

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES
+from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default: the "
                    "bundled SmolLM2-135M-Instruct")  # fmt: skip
     add_load_format_args(m)
-    m.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: bf16 on GPU, fp32 on CPU)"
-    )
+    m.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/activations/KV dtype (auto: "
+                   "bf16; on the CPU float32 is the exact reference, docs/engine.md)")  # fmt: skip
+    m.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto", help="CPU, bf16: "
+                   "weight-only int4/int8 linear layers (auto: int4 on the CPU unless --dtype float32, none "
+                   "on GPU)")  # fmt: skip
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS "
+                   "if set, else every core this process may use)")  # fmt: skip
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="auto: on CUDA the "
@@ -156,6 +160,35 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def default_threads() -> int:
+    """OMP_NUM_THREADS when set (`stallfree up` and the benchmarks share cores that way), else every core
+    this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_defaults(dtype: str, quantization: str, device: str, world_size: int) -> tuple[str, str]:
+    """(dtype, quantization) for the engine: on the CPU `auto` is the fastest configuration whose greedy
+    agreement with fp32 is >= 90% (bf16 activations, int4 weights; docs/engine.md); fp32 stays exact.
+    On a GPU (or in the parallel engine) quantization `auto` is none and dtype `auto` is left to the engine."""
+    import torch  # noqa: PLC0415
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not on_cpu or world_size > 1:
+        if quantization not in ("auto", "none"):
+            raise ValueError("--quantization int4/int8 runs in the single-process CPU engine only")
+        return dtype, "none"
+    if dtype == "auto":
+        dtype = "bfloat16"
+    if quantization == "auto":
+        quantization = "int4" if dtype == "bfloat16" else "none"
+    if quantization != "none" and dtype != "bfloat16":
+        raise ValueError(f"--quantization {quantization} multiplies bf16 activations: use --dtype bfloat16")
+    return dtype, quantization
+
+
 def build_configs(args: argparse.Namespace):
     """(EngineConfig, ServerSettings) from parsed arguments. Raises ValueError with a user-facing message."""
     from stallfree.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
@@ -201,10 +234,13 @@ def build_configs(args: argparse.Namespace):
         names = {c.name for c in flags}
         kept = tuple(c for c in traffic.clusters if c.name not in names)
         traffic = TrafficConfig(traffic.token_budget, traffic.chunk_align, (*kept, *flags))
+    dtype, quantization = cpu_defaults(args.dtype, args.quantization, args.device, parallel.world_size)
     engine_config = EngineConfig(
         model=model,
         load_format=load_format,
-        dtype=args.dtype,
+        dtype=dtype,
+        quantization=quantization,
+        threads=args.threads or default_threads(),
         device=args.device,
         attention_backend=args.attention_backend,
         cuda_graphs=not args.enforce_eager,

@@ -28,6 +28,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "stallfree.engine.bench",
         "engine micro-benchmarks: chunking overhead, decode, overhead",
     ),
+    "exactness": (
+        "stallfree.bench.exactness",
+        "CPU bf16/int8/int4 modes against fp32: logprob error and greedy agreement on 60 prompts",
+    ),
+    "per-token": (
+        "stallfree.bench.per_token",
+        "CPU decode ms per token of each mode beside llama.cpp's (same GGUF, same threads)",
+    ),
     "serve-bench": (
         "stallfree.engine.server.bench_http",
         "HTTP serving vs offline LLM.generate: throughput, added latency",

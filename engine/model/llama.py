@@ -45,10 +45,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused op instead of six small ones per norm (60 norms per iteration of a 30-layer model).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(
@@ -123,10 +121,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # (T, nh, hd)
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # (T, nkv, hd)
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        # q and k rotated together: one set of elementwise ops for both instead of one each.
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))  # (T, C)
 
@@ -229,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config)
+        # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups).
+        self.logits_proj: nn.Module | None = None
 
     # Set by the CUDA runner: norms, RoPE and SiLU-and-mul through the fused Triton kernels.
     fused_kernels: bool = False
@@ -255,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, C) hidden states -> (N, vocab) float32 logits."""
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

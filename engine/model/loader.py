@@ -34,6 +34,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     max_model_len: int | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load a Llama-family model and its tokenizer.
 
@@ -42,11 +43,54 @@ def load_model(
     load_format="dummy": random weights (seeded) of the shape `path` names: a shape from
     `stallfree.engine.model.dummy.SHAPES` (default smollm2-135m), an HF config.json or a folder holding one;
     built on `device` directly. max_model_len caps the dummy model's RoPE tables.
+    quantization: on the CPU in bf16, "none" packs the linear layers for oneDNN's bf16 matmul and
+    "int8" / "int4" quantizes them weight-only (stallfree.engine.model.cpu_linear); fp32 is left as is.
     Raises FileNotFoundError when the path does not exist or lacks files, ValueError for unsupported
     architectures, quantization types or tokenizers.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    check_quantization(quantization, dtype, device)
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return _load(path, dtype, device, load_format=load_format, seed=seed, max_model_len=max_model_len)
+    from stallfree.engine.model.cpu_linear import pack_for_cpu  # noqa: PLC0415
+
+    # NOTE: packed from the fp32 weights, so int4 sees a GGUF's dequantized Q4 blocks exactly (not rounded
+    # to bf16 first); then the rest (embedding, norms) becomes bf16.
+    loaded = _load(
+        path, torch.float32, device, load_format=load_format, seed=seed, max_model_len=max_model_len
+    )
+    pack_for_cpu(loaded.model, quantization)
+    for p in loaded.model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return loaded
+
+
+def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device | str) -> None:
+    """ValueError unless the weight-only quantization can run: CPU, bf16 activations."""
+    from stallfree.engine.model.cpu_linear import QUANTIZATIONS  # noqa: PLC0415
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "none":
+        return
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only; use quantization 'none'")
+    if dtype != torch.bfloat16:
+        raise ValueError(
+            f"quantization {quantization!r} multiplies bf16 activations: use dtype bfloat16 with it"
+        )
+
+
+def _load(
+    path: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    load_format: str,
+    seed: int,
+    max_model_len: int | None,
+) -> LoadedModel:
     if load_format == "dummy":
         from stallfree.engine.model.dummy import load_dummy  # noqa: PLC0415
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from stallfree.bench.capacity import CapacitySearch
 from stallfree.bench.host import describe
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
-from stallfree.bench.metrics import SLO, meets_capacity_slo
+from stallfree.bench.metrics import SLO, meets_attainment, meets_capacity_slo, slo_attainment
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
 from stallfree.bench.simulate import caching_modes, config_label
@@ -33,9 +33,14 @@ def warm_up(url: str, trace: Trace, args) -> None:
     """A few requests so first-call costs (allocator, kernels) do not land in the first measured run."""
     # no shared prefixes here: the measured runs start from an empty prefix cache
     wl = make_workload(
-        replace(trace, sharing=None), 4, qps=2.0, scale=args.scale, max_model_len=args.max_model_len,
+        replace(trace, sharing=None),
+        4,
+        qps=2.0,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
         seed=args.seed + 999,
-    )  # fmt: skip
+        max_output_tokens=args.max_output_tokens,
+    )
     bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
 
 
@@ -60,11 +65,12 @@ def search_target(
             scale=args.scale,
             max_model_len=args.max_model_len,
             seed=args.seed,
+            max_output_tokens=args.max_output_tokens,
         )
         if name != "peer":
             reset_prefix_cache(url)
         t0 = time.time()
-        s, _ = bench_once(
+        s, records = bench_once(
             url,
             wl,
             slo,
@@ -74,10 +80,12 @@ def search_target(
             text_prompts=text_prompts,
         )
         s["wall_s"] = time.time() - t0
+        s["attainment"] = {str(t): slo_attainment(records, slo.ttft, t) for t in slos}
+        att = ", ".join(f"{float(t) * 1e3:.0f} ms: {a:.0%}" for t, a in s["attainment"].items())
         log(
             f"  {name} @ {qps:.3g} QPS: P99 TBT {s['tbt_s']['p99']}, P50 sched {s['scheduling_delay_s']['p50']}, "
-            f"P50 TTFT {s['ttft_s']['p50']}, ok {s['outcomes']['ok']}/{s['num_requests']} ({s['wall_s']:.0f} s; "
-            f"{describe(s['host'])})"
+            f"P50 TTFT {s['ttft_s']['p50']}, ok {s['outcomes']['ok']}/{s['num_requests']}, attainment ({att}) "
+            f"({s['wall_s']:.0f} s; {describe(s['host'])})"
         )
         return s
 
@@ -88,15 +96,24 @@ def search_target(
         max_runs=args.max_runs,
         min_qps=args.min_qps,
     )
+    passes = criterion(args)
     out = {}
     for tbt in sorted(slos, reverse=True):
-        r = search.search(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
+        r = search.search(lambda s, t=tbt: passes(s, t))
         out[str(tbt)] = r.to_json()
         log(f"  {name}: capacity at P99 TBT <= {tbt * 1e3:.0f} ms: {r.capacity_qps:.3g} QPS {r.note}")
     for tbt in slos:  # every run informs every SLO: tighten each bracket with the later searches' runs
-        lo, hi = search.bracket(lambda s, t=tbt: meets_capacity_slo(s, t, args.slo_delay))
+        lo, hi = search.bracket(lambda s, t=tbt: passes(s, t))
         out[str(tbt)].update(final_bracket=[lo, hi], capacity_qps=lo)
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
+
+
+def criterion(args):
+    """passes(summary, tbt_slo) under --capacity-definition: `paper` (P99 TBT over all gaps and P50
+    scheduling delay) or `attainment` (>= --attainment of requests meet TTFT and their own P99 TBT)."""
+    if getattr(args, "capacity_definition", "paper") == "attainment":
+        return lambda s, t: meets_attainment(s, t, args.attainment)
+    return lambda s, t: meets_capacity_slo(s, t, args.slo_delay)
 
 
 def simulated(
@@ -202,7 +219,13 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
         }
     wall = time.time() - t_start
     wl = make_workload(
-        trace, args.num_requests, qps=1.0, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed
+        trace,
+        args.num_requests,
+        qps=1.0,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        max_output_tokens=args.max_output_tokens,
     ).describe()
     path = write_json(
         out,

@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--min-qps", type=float, default=0.05, help="give up below this QPS (capacity reported as 0)"
     )
+    c.add_argument("--capacity-definition", choices=("paper", "attainment"), default="paper", help="paper: "
+                   "P99 TBT over all gaps <= SLO and P50 scheduling delay <= --slo-delay, every request served; "
+                   "attainment: at least --attainment of the requests meet TTFT <= --slo-ttft and their own "
+                   "P99 TBT <= SLO")  # fmt: skip
+    c.add_argument("--attainment", type=float, default=0.9, help="share of requests for --capacity-definition "
+                   "attainment (default 0.9)")  # fmt: skip
     c.add_argument("--out", default="results/capacity")
 
     w = sub.add_parser(

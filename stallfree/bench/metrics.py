@@ -164,3 +164,16 @@ def meets_capacity_slo(summary: dict, tbt_slo: float, delay_slo: float = 2.0) ->
     if tbt is None or delay is None or math.isnan(tbt):
         return False
     return tbt <= tbt_slo and delay <= delay_slo
+
+
+def slo_attainment(records: Sequence[RequestRecord], ttft_slo: float, tbt_slo: float) -> float:
+    """Share of a run's requests that meet both per-request SLOs: served, TTFT <= ttft_slo and their own P99
+    inter-token gap <= tbt_slo (the attainment definition of capacity, beside `meets_capacity_slo`)."""
+    slo = SLO(ttft=ttft_slo, tbt=tbt_slo)
+    return sum(1 for r in records if r.meets(slo)) / len(records) if records else 0.0
+
+
+def meets_attainment(summary: dict, tbt_slo: float, target: float) -> bool:
+    """The attainment criterion: at least `target` of the run's requests meet TTFT and their own P99 TBT
+    (summary["attainment"][str(tbt_slo)], which the capacity command adds per TBT SLO)."""
+    return summary["attainment"][str(tbt_slo)] >= target

@@ -31,7 +31,7 @@ from stallfree.bench.report import measured_vs_predicted, pyplot, table, write_j
 from stallfree.costmodel.features import iteration_features
 from stallfree.costmodel.fit import fit_held_out
 from stallfree.costmodel.fitted import FittedCostModel, spec_snippet
-from stallfree.engine.config import DTYPES
+from stallfree.engine.config import DTYPES, QUANTIZATIONS
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
 # (decodes, decode contexts, chunks, prefill contexts): a CPU grid for a small model, and a GPU grid for a
@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: fp32 on CPU, "
                     "bf16 on GPU)")  # fmt: skip
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="CPU with --dtype "
+                    "bfloat16: int4/int8 weight-only linear layers, as `stallfree serve` runs them")  # fmt: skip
     ap.add_argument("--decodes", default=None, help="running decodes per iteration (default: "
                     f"{GRIDS['cpu'][0]} on the CPU, {GRIDS['gpu'][0]} on a GPU)")  # fmt: skip
     ap.add_argument("--decode-contexts", default=None, help="context length of the running decodes "
@@ -304,9 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     if clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures the calling thread: use it with --threads 1, or use --clock wall")
     out = Path(args.out)
-    loaded = load_model(
-        model, dtype=resolve_dtype(args.dtype, device), device=device, load_format=load_format, seed=args.seed
-    )
+    try:
+        loaded = load_model(
+            model,
+            dtype=resolve_dtype(args.dtype, device),
+            device=device,
+            load_format=load_format,
+            seed=args.seed,
+            quantization=args.quantization,
+        )
+    except ValueError as e:
+        ap.error(str(e))
     n_states = sum(len(dctx) if d else 1 for d in decodes)
     t0 = time.time()
     host = HostWatch()
@@ -320,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": loaded.name,
         "device": str(device),
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "threads": args.threads,
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),

@@ -38,6 +38,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--max-model-len", type=int, default=8192, help="clip prompt + output to this (SmolLM2: 8192)"
     )
+    ap.add_argument("--max-output-tokens", type=int, default=None, help="cap every request's output "
+                    "(bench capacity; e.g. 32 for chat-like short answers)")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=100, help="requests per run")
     ap.add_argument("--seed", type=int, default=0, help="seeds request sampling and arrivals")
     ap.add_argument("--slo-ttft", type=float, default=10.0, help="TTFT SLO, seconds (for goodput)")

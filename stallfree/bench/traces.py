@@ -198,9 +198,11 @@ def make_workload(
     scale: float = 1.0,
     max_model_len: int = 8192,
     seed: int = 0,
+    max_output_tokens: int | None = None,
 ) -> Workload:
     """Sample `num_requests` rows (seeded, without replacement while the trace lasts), scale, clip, and
-    give them Poisson arrivals at `qps`, or the trace's own arrival times when qps is None."""
+    give them Poisson arrivals at `qps`, or the trace's own arrival times when qps is None. Outputs are
+    capped at max_output_tokens when given (a chat-like workload of short answers)."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng([seed, 0])
@@ -213,6 +215,8 @@ def make_workload(
         idx = rng.choice(len(trace), size=num_requests, replace=num_requests > len(trace))
         arrivals = poisson_arrivals(len(idx), qps, seed)
     p, o, clipped = scale_and_clip(trace.prompt_tokens[idx], trace.output_tokens[idx], scale, max_model_len)
+    if max_output_tokens is not None:
+        o = np.minimum(o, max_output_tokens)
     reqs = tuple(TraceRequest(i, int(p[i]), int(o[i]), float(arrivals[i])) for i in range(len(idx)))
     if trace.sharing is not None and trace.sharing.kind != "trace":
         from stallfree.bench.sharing import apply_sharing  # noqa: PLC0415 - sharing imports this module

@@ -11,8 +11,10 @@ from stallfree.bench.metrics import (
     REJECTED,
     SLO,
     RequestRecord,
+    meets_attainment,
     meets_capacity_slo,
     percentile,
+    slo_attainment,
     summarize,
 )
 
@@ -120,3 +122,26 @@ def test_metrics_delta_takes_quantiles_of_the_difference_summed_over_clusters():
     assert d["scheduling_delay_s"]["count"] == 10
     assert d["scheduling_delay_s"]["p50"] == pytest.approx(0.55)
     assert d["preemptions"] == 1
+
+
+def test_attainment_capacity_counts_requests_meeting_their_own_slos():
+    """The attainment definition judges each request by its own P99 gap; the paper's pools every gap."""
+    records = [rec(i, 0.0, 0.5, [0.1] * 20) for i in range(9)] + [rec(9, 0.0, 0.5, [0.1] * 19 + [0.9])]
+    assert slo_attainment(records, ttft_slo=1.0, tbt_slo=0.5) == pytest.approx(0.9)
+    assert slo_attainment(records, ttft_slo=0.4, tbt_slo=0.5) == 0.0  # every TTFT is 0.5 s
+    s = summarize(records, SLO(ttft=1.0, tbt=0.5))
+    s["attainment"] = {"0.5": slo_attainment(records, 1.0, 0.5)}
+    assert meets_attainment(s, 0.5, 0.9) and not meets_attainment(s, 0.5, 0.95)
+    assert meets_capacity_slo(s, 0.5)  # one slow gap in 200 is below the pooled P99
+
+
+def test_capacity_criterion_flag_picks_the_definition():
+    from types import SimpleNamespace
+
+    from stallfree.bench.capacity_cmd import criterion
+
+    s = {"attainment": {"0.5": 0.5}, "outcomes": {"ok": 1}, "num_requests": 1,
+         "tbt_s": {"p99": 0.1}, "scheduling_delay_s": {"p50": 0.1}, "ttft_s": {"p50": 0.1}}  # fmt: skip
+    paper = criterion(SimpleNamespace(capacity_definition="paper", slo_delay=2.0, attainment=0.9))
+    attain = criterion(SimpleNamespace(capacity_definition="attainment", slo_delay=2.0, attainment=0.9))
+    assert paper(s, 0.5) and not attain(s, 0.5)

@@ -124,3 +124,12 @@ def test_prompt_ids_are_deterministic_and_distinct():
     assert a == prompt_token_ids(1, 50) and len(a) == 50
     assert a != prompt_token_ids(2, 50)
     assert all(1000 <= t < 30000 for t in a)
+
+
+def test_max_output_tokens_caps_outputs_only(tmp_path):
+    trace = make_trace(tmp_path, n=50, output=60)  # outputs 30..89
+    capped = make_workload(trace, 20, qps=1.0, seed=0, max_output_tokens=32)
+    full = make_workload(trace, 20, qps=1.0, seed=0)
+    assert [r.output_tokens for r in capped.requests] == [min(32, r.output_tokens) for r in full.requests]
+    assert [r.prompt_tokens for r in capped.requests] == [r.prompt_tokens for r in full.requests]
+    assert max(r.output_tokens for r in full.requests) > 32

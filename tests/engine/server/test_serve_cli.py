@@ -127,3 +127,23 @@ def test_prefix_caching_flag_reaches_the_engine_config():
     for flag, on in (("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)):
         config, _ = build_configs(build_parser().parse_args([flag]))
         assert config.cache.enable_prefix_caching is on
+
+
+def test_cpu_default_is_bf16_int4_and_fp32_is_one_flag_away(monkeypatch):
+    """The default CPU configuration is the fastest one with >= 90% greedy agreement (docs/engine.md)."""
+    from stallfree.engine.serve_cli import build_configs, build_parser
+
+    parse = build_parser().parse_args
+    config, _ = build_configs(parse(["--device", "cpu"]))
+    assert (config.dtype, config.quantization) == ("bfloat16", "int4")
+    config, _ = build_configs(parse(["--device", "cpu", "--dtype", "float32"]))
+    assert (config.dtype, config.quantization) == ("float32", "none")
+    config, _ = build_configs(parse(["--device", "cpu", "--quantization", "none"]))
+    assert (config.dtype, config.quantization) == ("bfloat16", "none")
+    with pytest.raises(ValueError, match="bf16"):
+        build_configs(parse(["--device", "cpu", "--dtype", "float32", "--quantization", "int4"]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert build_configs(parse(["--device", "cpu"]))[0].threads == 3
+    assert build_configs(parse(["--device", "cpu", "--threads", "1"]))[0].threads == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert build_configs(parse(["--device", "cpu"]))[0].threads == len(os.sched_getaffinity(0))
