@@ -54,14 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="stallfree per-token", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--modes", default="float32:none,bfloat16:none,bfloat16:int4")
-    ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--modes", default="float32:none,bfloat16:none,bfloat16:int4",
+                    help="comma list of dtype:quantization modes of stallfree to time")  # fmt: skip
+    ap.add_argument("--batches", default="1,32", help="comma list of decode batch sizes")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="CPU threads for both sides (default: every core this process may use)")  # fmt: skip
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens before the timed decodes")
     ap.add_argument(
         "--steps", type=int, default=16, help="decode iterations per configuration and repetition"
     )
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; configurations alternate within each")
     cache = Path(os.environ.get("STALLFREE_CACHE", Path.home() / ".cache/stallfree"))
     ap.add_argument(
         "--llamacpp-python",
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         help="python of scripts/peer-llamacpp's environment ('' to skip llama.cpp)",
     )
-    ap.add_argument("--out", default="results/per-token")
+    ap.add_argument("--out", default="results/per-token", help="folder for per_token.json")
     args = ap.parse_args(argv)
 
     import torch
