@@ -28,13 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stallfree.engine.config import QUANTIZATIONS
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
 # Rows up to which the weight-only kernel beats oneDNN's bf16 matmul on the SmolLM2 shapes (one thread,
 # docs/engine.md): int4 costs ~3 ms per row over all layers against a flat ~21 ms for bf16; int8 ~16 ms at 1 row.
 SMALL_ROWS = {"int4": 6, "int8": 2, "none": 0}
+
+
+def validate_quantization(quantization: str) -> None:
+    """ValueError unless `quantization` names a mode this module packs."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
 
 
 def onednn_bf16() -> bool:
@@ -74,8 +81,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: Tensor, bias: Tensor | None, quantization: str = "none") -> None:
         super().__init__()
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        validate_quantization(quantization)
         self.quantization = quantization
         self.small_rows = SMALL_ROWS[quantization]
         self.out_features, self.in_features = weight.shape
@@ -121,8 +127,7 @@ def pack_for_cpu(model: nn.Module, quantization: str = "none") -> nn.Module:
     The LM head is int8 in both quantized modes (the bundled model's embedding is Q8_0); the embedding
     table itself stays bf16 for lookups. Returns the model, changed in place.
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    validate_quantization(quantization)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):

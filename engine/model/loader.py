@@ -68,10 +68,9 @@ def load_model(
 
 def check_quantization(quantization: str, dtype: torch.dtype, device: torch.device | str) -> None:
     """ValueError unless the weight-only quantization can run: CPU, bf16 activations."""
-    from stallfree.engine.model.cpu_linear import QUANTIZATIONS  # noqa: PLC0415
+    from stallfree.engine.model.cpu_linear import validate_quantization  # noqa: PLC0415
 
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    validate_quantization(quantization)
     if quantization == "none":
         return
     if torch.device(device).type != "cpu":
