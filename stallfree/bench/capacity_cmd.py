@@ -24,23 +24,15 @@ from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_ar
 from stallfree.bench.metrics import SLO, meets_attainment, meets_capacity_slo, slo_attainment
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
-from stallfree.bench.simulate import caching_modes, config_label
+from stallfree.bench.simulate import caching_modes, config_label, workload_of
 from stallfree.bench.simulator import parse_policy_entry
-from stallfree.bench.traces import Trace, make_workload
+from stallfree.bench.traces import Trace
 
 
 def warm_up(url: str, trace: Trace, args) -> None:
     """A few requests so first-call costs (allocator, kernels) do not land in the first measured run."""
     # no shared prefixes here: the measured runs start from an empty prefix cache
-    wl = make_workload(
-        replace(trace, sharing=None),
-        4,
-        qps=2.0,
-        scale=args.scale,
-        max_model_len=args.max_model_len,
-        seed=args.seed + 999,
-        max_output_tokens=args.max_output_tokens,
-    )
+    wl = workload_of(replace(trace, sharing=None), args, 2.0, num_requests=4, seed=args.seed + 999)
     bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
 
 
@@ -58,15 +50,7 @@ def search_target(
     """Capacity search against one server, for every TBT SLO, from one shared set of runs."""
 
     def evaluate(qps: float) -> dict:
-        wl = make_workload(
-            trace,
-            args.num_requests,
-            qps=qps,
-            scale=args.scale,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            max_output_tokens=args.max_output_tokens,
-        )
+        wl = workload_of(trace, args, qps)
         if name != "peer":
             reset_prefix_cache(url)
         t0 = time.time()
@@ -124,10 +108,9 @@ def simulated(
     from stallfree.bench.simulate import contention_of, sim_config, simulate_capacity
     from stallfree.costmodel.fitted import FittedCostModel
 
-    cfg = sim_config(
-        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model)), caching
-    )
-    return simulate_capacity(trace, args, FittedCostModel.load(args.cost_model), cfg, slos, slo)
+    cost = FittedCostModel.load(args.cost_model)
+    cfg = sim_config(args, policy, budget, contention_of(args.contention, cost), caching)
+    return simulate_capacity(trace, args, cost, cfg, slos, slo)
 
 
 def _plot(results: dict, slos: list[float], out: Path) -> Path:
@@ -218,15 +201,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             "url": args.peer_url,
         }
     wall = time.time() - t_start
-    wl = make_workload(
-        trace,
-        args.num_requests,
-        qps=1.0,
-        scale=args.scale,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        max_output_tokens=args.max_output_tokens,
-    ).describe()
+    wl = workload_of(trace, args, 1.0).describe()
     path = write_json(
         out,
         "capacity.json",

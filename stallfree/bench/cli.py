@@ -16,9 +16,14 @@ import sys
 
 from stallfree.bench import accuracy_cmd, capacity_cmd, sweep_cmd
 from stallfree.bench.metrics import SLO
-from stallfree.bench.simulate import add_workload_args, caching_modes, load_workload_trace, tbt_slos
+from stallfree.bench.simulate import (
+    add_workload_args,
+    caching_modes,
+    load_workload_trace,
+    tbt_slos,
+    workload_of,
+)
 from stallfree.bench.simulator import POLICY_NAMES, parse_policy_entry
-from stallfree.bench.traces import make_workload
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
 SERVE_EXAMPLE = """\
@@ -182,14 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("capacity", "sweep"):  # the servers' model, checked before any starts
             args.model, args.load_format = resolve_load_format(args.model, args.load_format, args.shape)
         if args.command == "serve":
-            workload = make_workload(
-                trace,
-                args.num_requests,
-                qps=args.qps,
-                scale=args.scale,
-                max_model_len=args.max_model_len,
-                seed=args.seed,
-            )
+            workload = workload_of(trace, args, args.qps)
     except ValueError as e:
         print(f"stallfree bench {args.command}: {e}", file=sys.stderr)
         return 2

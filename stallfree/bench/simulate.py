@@ -66,6 +66,20 @@ def load_workload_trace(args) -> Trace:
     return replace(load_trace(args.trace), sharing=sharing)
 
 
+def workload_of(trace: Trace, args, qps: float, *, num_requests: int | None = None, seed: int | None = None):
+    """The workload the --workload options describe (scale, length clip, output cap) at `qps`: one
+    definition for the servers' runs and the simulator's, so both see the same requests."""
+    return make_workload(
+        trace,
+        args.num_requests if num_requests is None else num_requests,
+        qps=qps,
+        scale=args.scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed if seed is None else seed,
+        max_output_tokens=getattr(args, "max_output_tokens", None),
+    )
+
+
 def caching_modes(args) -> list[bool]:
     """--prefix-caching on / off / on,off -> [True], [False], [True, False]."""
     modes = [m.strip() for m in str(args.prefix_caching).split(",") if m.strip()]
@@ -87,9 +101,7 @@ def tbt_slos(arg: str) -> list[float]:
 
 
 def _simulate_once(trace, args, cost: FittedCostModel, cfg: SimConfig, qps: float, slo: SLO) -> dict:
-    wl = make_workload(
-        trace, args.num_requests, qps=qps, scale=args.scale, max_model_len=args.max_model_len, seed=args.seed
-    )
+    wl = workload_of(trace, args, qps)
     res = simulate(wl, cost, cfg)
     s = summarize(res.records, slo)
     s.update(
@@ -224,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_workload_trace(args)
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         budgets = [int(b) for b in args.token_budget.split(",")]
+        modes = caching_modes(args)
         configs = [
             sim_config(args, p, b, contention_of(args.contention, cost), caching)
             for p in policies
             for b in (budgets if p.startswith("sarathi") else budgets[:1])
-            for caching in caching_modes(args)
+            for caching in modes
         ]
         for c in configs:
             c.scheduler()  # validates policy / budget with the scheduler's own messages
@@ -243,14 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tqdm(total=len(configs), desc="simulate", unit="config", file=sys.stderr) as bar:
         for cfg in configs:
-            wl = make_workload(
-                trace,
-                args.num_requests,
-                qps=args.qps,
-                scale=args.scale,
-                max_model_len=args.max_model_len,
-                seed=args.seed,
-            )
+            wl = workload_of(trace, args, args.qps)
             res = simulate(wl, cost, cfg)
             s = summarize(res.records, slo)
             r = {

@@ -22,8 +22,8 @@ from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_ar
 from stallfree.bench.metrics import SLO, summarize
 from stallfree.bench.report import latency_cells, ms, pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, reset_prefix_cache
-from stallfree.bench.simulate import caching_modes, config_label
-from stallfree.bench.traces import Trace, make_workload
+from stallfree.bench.simulate import caching_modes, config_label, workload_of
+from stallfree.bench.traces import Trace
 
 
 def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO, caching: bool = True) -> dict | None:
@@ -33,18 +33,10 @@ def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO, caching: bo
     from stallfree.bench.simulator import simulate
     from stallfree.costmodel.fitted import FittedCostModel
 
-    cfg = sim_config(
-        args, policy, budget, contention_of(args.contention, FittedCostModel.load(args.cost_model)), caching
-    )
-    wl = make_workload(
-        trace,
-        args.num_requests,
-        qps=args.qps,
-        scale=args.scale,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
-    return summarize(simulate(wl, FittedCostModel.load(args.cost_model), cfg).records, slo)
+    cost = FittedCostModel.load(args.cost_model)
+    cfg = sim_config(args, policy, budget, contention_of(args.contention, cost), caching)
+    wl = workload_of(trace, args, args.qps)
+    return summarize(simulate(wl, cost, cfg).records, slo)
 
 
 def set_budget(url: str, budget: int) -> None:
@@ -112,14 +104,7 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     budgets = [int(b) for b in args.token_budgets.split(",")]
     configs = [(p, b) for p in policies for b in (budgets if p.startswith("sarathi") else budgets[:1])]
-    wl = make_workload(
-        trace,
-        args.num_requests,
-        qps=args.qps,
-        scale=args.scale,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
+    wl = workload_of(trace, args, args.qps)
     rows = []
     t0 = time.time()
     for policy, caching in [
