@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stallfree.engine.decode_groups import decode_groups
+from stallfree.engine.decode_groups import paged_decodes as attend_paged
 from stallfree.engine.scheduler import SchedulerOutput
 
 
@@ -53,10 +54,18 @@ class AttentionMetadata:
     # For the torch backend: decodes in a few padded groups, prefill chunks one by one.
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
+    # For the cpu backend's paged decode kernel instead of the groups (None otherwise):
+    decode_tables: torch.Tensor | None = None  # (D, max pages) int32  each decode's blocks, 0-padded
+    decode_lens: torch.Tensor | None = None  # (D,) int32  each decode's history, new token included
 
 
-def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) -> AttentionMetadata:
-    """Turn the scheduler's chunks into the flat-batch attention description."""
+def build_metadata(
+    out: SchedulerOutput, block_size: int, device: torch.device, paged_decodes: bool = False
+) -> AttentionMetadata:
+    """Turn the scheduler's chunks into the flat-batch attention description.
+
+    paged_decodes: describe the decodes by block table and length (for a kernel that reads the pages in
+    place) instead of in padded groups, when decode_groups.paged_decodes says the kernel should take them."""
     qo, page_ptr, pages, last_len, slot_chunks = [0], [0], [], [], []
     decode_lens: list[int] = []
     prefills: list[PrefillSpan] = []
@@ -76,7 +85,16 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) 
         page_ptr.append(page_ptr[-1] + n_pages)
         last_len.append(kv_len - (n_pages - 1) * block_size)
     groups = []
-    for members in decode_groups(decode_lens):  # decodes come first, so decode i is row i and pages[i]
+    tables = lens = None
+    if paged_decodes and attend_paged(decode_lens):
+        n = len(decode_lens)  # decodes come first: decode i has pages[i]
+        tables_np = np.zeros((n, max(len(pages[i]) for i in range(n))), np.int32)
+        for i in range(n):
+            tables_np[i, : len(pages[i])] = pages[i]
+        tables = torch.from_numpy(tables_np).to(device)
+        lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+    # decodes come first, so decode i is row i and pages[i]
+    for members in decode_groups(decode_lens) if tables is None else []:
         n_pages = len(pages[members[0]])  # the longest history comes first
         blocks = np.zeros((len(members), n_pages), dtype=np.int64)
         mask = np.zeros((len(members), n_pages * block_size), dtype=bool)
@@ -102,6 +120,8 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device) 
         num_decodes=len(decode_lens),
         decode_groups=tuple(groups),
         prefills=tuple(prefills),
+        decode_tables=tables,
+        decode_lens=lens,
     )
 
 
@@ -142,28 +162,50 @@ class TorchAttention:
 
     GQA without repeating K/V: decodes (in groups, see stallfree.engine.decode_groups) and prefill chunks
     both use SDPA's enable_gqa, which shares each KV head across its query heads.
+
+    With `kernels` (stallfree.engine.kernels.cpu_fused: the `cpu` backend) the KV store runs in the C++
+    kernel, and so do the decodes when build_metadata described them by block table (each decode reading
+    its own pages in place; see decode_groups.PAGED_DECODE_MAX_KEYS); prefill chunks stay on SDPA, which is GEMM-shaped
+    and already fast there.
     """
 
-    name = "torch"
-
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, kernels=None
+    ) -> None:
         self.cache = cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.kernels = kernels
+        self.name = "torch" if kernels is None else "cpu"
+        self.paged_decodes = kernels is not None  # what build_metadata must describe
 
     def bind(self, meta: AttentionMetadata):
+        cache, kernels, nd = self.cache, self.kernels, meta.num_decodes
+        paged = meta.decode_tables is not None  # decodes through the kernel (else in padded groups)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: (T, H, D); k, v: (T, KVH, D)
-            self.cache.write(layer, meta.slot_mapping, k, v)
-            kf, vf = self.cache.flat(layer)
+            kf, vf = cache.flat(layer)
+            if kernels is None:
+                cache.write(layer, meta.slot_mapping, k, v)
+            else:
+                kernels.store_kv(k, v, kf, vf, meta.slot_mapping)
+            if paged:
+                dec = kernels.paged_decode_attention(
+                    q[:nd], cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens, self.scale
+                )
+                if not meta.prefills:  # every row a decode
+                    return dec
             out = torch.empty_like(q)
+            if paged:
+                out[:nd] = dec
             for grp in meta.decode_groups:
                 g, n_pages = grp.blocks.shape
                 # Whole pages, gathered with index_select (2-3x faster than advanced indexing here).
                 pages = grp.blocks.view(-1)
-                kp = self.cache.k[layer].index_select(0, pages).view(g, -1, *kf.shape[1:])  # (g, L, KVH, hd)
-                vp = self.cache.v[layer].index_select(0, pages).view(g, -1, *vf.shape[1:])
+                kp = cache.k[layer].index_select(0, pages).view(g, -1, *kf.shape[1:])  # (g, L, KVH, hd)
+                vp = cache.v[layer].index_select(0, pages).view(g, -1, *vf.shape[1:])
                 if len(meta.decode_groups) == 1 and not meta.prefills and g == q.shape[0]:
                     # One group, nothing else: its rows are a permutation of the whole batch.
                     out.index_copy_(0, grp.rows, self._decode(q.index_select(0, grp.rows), kp, vp, grp.mask))
@@ -269,4 +311,9 @@ def make_attention(backend: str, cache: KVCache, num_heads: int, num_kv_heads: i
         return FlashInferAttention(cache, num_heads, num_kv_heads, head_dim)
     if backend == "torch":
         return TorchAttention(cache, num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {backend!r}; choose auto, torch or flashinfer")
+    if backend == "cpu":
+        from stallfree.engine.kernels import cpu_fused  # noqa: PLC0415
+
+        cpu_fused.load()  # raises here, at start-up, when the kernels cannot be built
+        return TorchAttention(cache, num_heads, num_kv_heads, head_dim, kernels=cpu_fused)
+    raise ValueError(f"unknown attention backend {backend!r}; choose auto, torch, cpu or flashinfer")

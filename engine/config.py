@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 POLICIES = ("sarathi", "vllm", "orca", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "int8", "int4")  # CPU weight-only (stallfree.engine.model.cpu_linear)
 

@@ -176,11 +176,11 @@ class PiecewiseGraphs:
         if s == 0:
             x, residual = m.model.embed_tokens(self.ids[:size]), None
         else:
-            x, residual = layers[s - 1].post_attention(self.attn[:size], self.residual[:size])
+            x, residual = layers[s - 1].post_attention(self.attn[:size], self.residual[:size], fused)
         if s == self.num_layers:
             self.hidden[:size].copy_(fused.add_rmsnorm(x, residual, m.model.norm.weight, m.model.norm.eps)[0])
             return
-        qkv, residual = layers[s].pre_attention(x, residual, self.pos[:size], m.rotary)
+        qkv, residual = layers[s].pre_attention(x, residual, self.pos[:size], m.rotary, fused)
         _, k, v = layers[s].self_attn.split_qkv(qkv)
         kf, vf = self.runner.cache.flat(s)
         fused.store_kv(k, v, kf, vf, self.slots[:size])

@@ -30,6 +30,7 @@ from stallfree.engine.cuda_attention import DeviceBatch, make_cuda_attention
 from stallfree.engine.cuda_batch import HostBatch, Stager, host_batch
 from stallfree.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_sizes
 from stallfree.engine.gpu_sampler import GpuSampler
+from stallfree.engine.kernels import fused
 from stallfree.engine.model_runner import RunnerOutput
 from stallfree.engine.sampler import SampleRequest, SampleResult
 from stallfree.engine.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ class CudaModelRunner:
         self.sampler = GpuSampler(stop_token_ids, seed=seed, device=device)
         self.stager = Stager(device)
         self.max_pages = -(-max_model_len // block_size)
-        model.fused_kernels = True  # type: ignore[assignment]
+        model.kernels = fused  # type: ignore[assignment]
         use_graphs = cuda_graphs and attention_backend == "triton" and device.type == "cuda"
         self.graphs = (
             DecodeGraphs(self, graph_batch_sizes(max_num_seqs), self.max_pages) if use_graphs else None

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The cpu backend's paged decode kernel reads each decode's keys in place, one (decode, KV head) per task;
+# SDPA over gathered pages works in blocks and wins on big ones. Measured on the SmolLM2 shapes, 2 threads
+# (docs/engine.md): the kernel is faster at 32 decodes x 128 keys and 1 x 1024, slower at 32 x 1024. So
+# an iteration whose decodes x longest history exceed this attends in the padded groups instead.
+PAGED_DECODE_MAX_KEYS = 16384
+
 # A decode starts a new group only if its history is at most half the group's longest and at least this
 # many tokens shorter: below that the saving is smaller than a group's fixed cost.
 MIN_GAP = 64
@@ -33,6 +39,17 @@ def decode_groups(lengths: Sequence[int]) -> list[list[int]]:
         else:
             groups[-1].append(i)
     return groups
+
+
+def paged_decodes(lengths: Sequence[int]) -> bool:
+    """Whether the cpu backend attends for these decodes with its paged kernel (no padding)."""
+    return 0 < len(lengths) * max(lengths, default=0) <= PAGED_DECODE_MAX_KEYS
+
+
+def attended_decode_area(lengths: Sequence[int]) -> int:
+    """Key positions the CPU engine's decodes attend to: their histories through the paged kernel, or the
+    padded groups' area when the iteration is too big for it (see PAGED_DECODE_MAX_KEYS)."""
+    return sum(lengths) if paged_decodes(lengths) else padded_decode_area(lengths)
 
 
 def padded_decode_area(lengths: Sequence[int]) -> int:

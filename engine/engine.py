@@ -51,9 +51,14 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     """The backend `name` stands for on this device and dtype; ValueError for impossible combinations.
 
     auto: on CUDA in bf16/fp16 the Triton kernels (they need no nvcc and compile in seconds); in fp32 the
-    torch backend (exact; FlashInfer has no fp32 kernels); on CPU the torch backend.
+    torch backend (exact; FlashInfer has no fp32 kernels); on the CPU the C++ kernels (`cpu`), or the
+    torch backend where they cannot be built (no compiler), with one warning.
     """
     if name == "auto":
+        if device.type == "cpu":
+            from stallfree.engine.kernels.cpu_fused import available  # noqa: PLC0415
+
+            return "cpu" if available() else "torch"
         if device.type != "cuda" or dtype == torch.float32:
             return "torch"
         from stallfree.engine.kernels.fused import triton_available  # noqa: PLC0415
@@ -66,6 +71,8 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         return name  # Triton's interpreter runs the kernels on CPU tensors: slow, for tests of the CUDA path
     if name in ("triton", "flashinfer") and device.type != "cuda":
         raise ValueError(f"the {name} attention backend needs a CUDA device; use attention_backend='torch'")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError("the cpu attention backend runs on the CPU only; use auto, triton or torch on CUDA")
     if name == "flashinfer" and dtype == torch.float32:
         raise ValueError(
             "FlashInfer has no float32 kernels: use dtype bfloat16/float16 or attention_backend='torch'"
@@ -158,7 +165,7 @@ class LLMEngine:
                 )  # fmt: skip
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-        return self._torch_runner()
+        return self._torch_runner(backend if backend == "cpu" else "torch")
 
     def _runner_args(self) -> dict:
         """What every runner needs: the model's shape, the KV cache's size, the device, stop tokens, seed."""
@@ -187,8 +194,8 @@ class LLMEngine:
             **self._runner_args(),
         )
 
-    def _torch_runner(self) -> ModelRunner:
-        return ModelRunner(self.loaded.model, attention_backend="torch", **self._runner_args())
+    def _torch_runner(self, backend: str = "torch") -> ModelRunner:
+        return ModelRunner(self.loaded.model, attention_backend=backend, **self._runner_args())
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

@@ -35,8 +35,9 @@ class LLM:
     policy: sarathi (stall-free batching), vllm, orca or static. token_budget caps the tokens of one
     iteration (sarathi); chunk_align rounds prefill chunks to a tile. tensor_parallel_size and
     pipeline_parallel_size > 1 run the model in T x P worker processes (see docs/parallelism.md).
-    attention_backend: auto (CUDA: the Triton kernels in bf16/fp16, torch in fp32; CPU: torch), torch,
-    triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
+    attention_backend: auto (CUDA: the Triton kernels in bf16/fp16, torch in fp32; CPU: the C++ kernels of
+    stallfree.engine.kernels.cpu_fused, or torch where they cannot be built), torch (the plain-torch
+    reference), cpu, triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
     enable_prefix_caching (default True) reuses the K/V of full blocks shared with earlier prompts.
     On the CPU, dtype="bfloat16" runs oneDNN's bf16 matmuls and quantization="int4"/"int8" weight-only
     linear layers (docs/engine.md measures each against fp32); threads sets torch's CPU threads.

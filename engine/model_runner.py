@@ -44,11 +44,13 @@ class ModelRunner:
         seed: int = 0,
     ) -> None:
         self.model = model
-        model.fused_kernels = False  # type: ignore[assignment] # plain torch ops: the reference path
         self.device = device
         self.block_size = block_size
         self.cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
         self.attention = make_attention(attention_backend, self.cache, num_heads, num_kv_heads, head_dim)
+        # torch: plain torch ops, the reference path; cpu: the C++ kernels for the layers' elementwise work too
+        model.kernels = getattr(self.attention, "kernels", None)  # type: ignore[assignment]
+        self.paged_decodes = getattr(self.attention, "paged_decodes", False)
         self.sampler = Sampler(stop_token_ids, seed=seed, device=device)
 
     def release(self, request_id: str) -> None:
@@ -62,7 +64,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         input_ids, positions = flatten_batch(out, self.device)
-        meta = build_metadata(out, self.block_size, self.device)
+        meta = build_metadata(out, self.block_size, self.device, self.paged_decodes)
         attend = self.attention.bind(meta)
         sample_rows, sample_reqs = [], []
         offset = 0

@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="auto: on CUDA the "
-                   "Triton kernels in bf16/fp16 and torch in fp32, torch on CPU; flashinfer needs nvcc at first "
+                   "Triton kernels in bf16/fp16 and torch in fp32; on the CPU the C++ kernels (cpu, built once "
+                   "per machine with g++, ~20 s), or torch without a compiler; flashinfer needs nvcc at first "
                    "use (docs/gpu.md)")  # fmt: skip
     m.add_argument("--enforce-eager", action="store_true", help="CUDA: run every iteration without CUDA "
                    "graphs (slower; for debugging)")  # fmt: skip

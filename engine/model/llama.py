@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stallfree.engine.kernels import fused
 from stallfree.engine.model.config import Llama3RopeScaling, LlamaConfig
 
 
@@ -137,11 +137,11 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def qkv_rope(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding) -> Tensor:
-        """The CUDA path's fused projection (T, (nh + 2 nkv) hd), q and k rotated in place by one kernel."""
+    def qkv_rope(self, x: Tensor, positions: Tensor, rotary: RotaryEmbedding, kernels: ModuleType) -> Tensor:
+        """The fused path's projection (T, (nh + 2 nkv) hd), q and k rotated in place by one kernel."""
         qkv = self.qkv_proj(x)
         q, k, _ = self.split_qkv(qkv)
-        fused.rope_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
+        kernels.rope_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
         return qkv
 
 
@@ -178,28 +178,37 @@ class LlamaDecoderLayer(nn.Module):
         positions: Tensor,
         rotary: RotaryEmbedding,
         attn: AttentionFn,
+        kernels: ModuleType,
     ) -> tuple[Tensor, Tensor]:
-        """The CUDA path: the residual add rides in the RMSNorm kernels. Returns (branch output, residual);
-        the caller adds them in the next norm. Same arithmetic as `forward`, fewer kernels."""
-        qkv, residual = self.pre_attention(x, residual, positions, rotary)
+        """The fused path: the residual add rides in the RMSNorm kernels. Returns (branch output, residual);
+        the caller adds them in the next norm. Same arithmetic as `forward`, fewer kernels. `kernels` is
+        the module of fused ops (see LlamaForCausalLM.kernels)."""
+        qkv, residual = self.pre_attention(x, residual, positions, rotary, kernels)
         out = attn(self.self_attn.layer_idx, *self.self_attn.split_qkv(qkv))  # (T, nh, hd)
-        return self.post_attention(out, residual)
+        return self.post_attention(out, residual, kernels)
 
     def pre_attention(
-        self, x: Tensor, residual: Tensor | None, positions: Tensor, rotary: RotaryEmbedding
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        positions: Tensor,
+        rotary: RotaryEmbedding,
+        kernels: ModuleType,
     ) -> tuple[Tensor, Tensor]:
-        """CUDA path, up to attention: (rotated fused qkv (T, (nh + 2 nkv) hd), residual stream (T, C))."""
-        h, residual = fused.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        return self.self_attn.qkv_rope(h, positions, rotary), residual
+        """Fused path, up to attention: (rotated fused qkv (T, (nh + 2 nkv) hd), residual stream (T, C))."""
+        norm = self.input_layernorm
+        h, residual = kernels.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        return self.self_attn.qkv_rope(h, positions, rotary, kernels), residual
 
-    def post_attention(self, attn_out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """CUDA path, from the attention output (T, nh, hd): (MLP branch output (T, C), residual stream)."""
+    def post_attention(
+        self, attn_out: Tensor, residual: Tensor, kernels: ModuleType
+    ) -> tuple[Tensor, Tensor]:
+        """Fused path, from the attention output (T, nh, hd): (MLP branch output (T, C), residual stream)."""
         x = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        h, residual = fused.add_rmsnorm(
-            x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
-        )
+        norm = self.post_attention_layernorm
+        h, residual = kernels.add_rmsnorm(x, residual, norm.weight, norm.eps)
         mlp = self.mlp
-        return mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(h))), residual
+        return mlp.down_proj(kernels.silu_and_mul(mlp.gate_up_proj(h))), residual
 
 
 class LlamaModel(nn.Module):
@@ -231,8 +240,10 @@ class LlamaForCausalLM(nn.Module):
         # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups).
         self.logits_proj: nn.Module | None = None
 
-    # Set by the CUDA runner: norms, RoPE and SiLU-and-mul through the fused Triton kernels.
-    fused_kernels: bool = False
+    # Set by the runner: the module whose add_rmsnorm / rope_ / silu_and_mul run the layers' elementwise
+    # work (stallfree.engine.kernels.fused's Triton kernels on CUDA, .cpu_fused's C++ ones on the CPU), or
+    # None for plain torch ops (the reference path).
+    kernels: ModuleType | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """Run the decoder over one flattened ragged batch.
@@ -243,11 +254,11 @@ class LlamaForCausalLM(nn.Module):
         config.max_position_embeddings. Returns hidden states (T, C) after the final norm.
         """
         x = self.model.embed_tokens(input_ids)  # (T, C)
-        if self.fused_kernels:
+        if self.kernels is not None:
             residual = None
             for layer in self.model.layers:
-                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn)
-            return fused.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
+                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn, self.kernels)
+            return self.kernels.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
         cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, float32, shared by all layers
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # cast once, not per layer
         for layer in self.model.layers:

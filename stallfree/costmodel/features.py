@@ -5,8 +5,9 @@
   prefill_tokens   tokens of prefill chunks in the batch (the linear layers' work)
   decode_tokens    running decodes (one token each; includes sampling one token)
   prefill_attn     query-key pairs of the prefill chunks: sum over chunks of n * (start + (n + 1) / 2)
-  decode_attn      key positions the decodes attend to, padding included: the torch backend pads each
-                   group of decodes to its longest history (stallfree.engine.decode_groups)
+  decode_attn      key positions the decodes attend to as the CPU engine does: each decode's history through
+                   the cpu backend's paged kernel, or, for iterations too big for it, padding included (the
+                   groups pad to their longest history; stallfree.engine.decode_groups)
   prefill_chunks   number of prefill chunks (per-chunk attention calls and metadata)
 
 Two more terms for GPU fits (not in FEATURES, so CPU profiles fit as before):
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from stallfree.engine.decode_groups import padded_decode_area
+from stallfree.engine.decode_groups import attended_decode_area
 
 FEATURES = ("const", "prefill_tokens", "decode_tokens", "prefill_attn", "decode_attn", "prefill_chunks")
 DECODE_KV = "decode_kv"
@@ -48,7 +49,7 @@ def iteration_features(chunks: Iterable) -> dict[str, float]:
             f["prefill_attn"] += n * (c.start + (n + 1) / 2)
             f["prefill_chunks"] += 1
     f["decode_tokens"] = float(len(decode_lens))
-    f["decode_attn"] = float(padded_decode_area(decode_lens))
+    f["decode_attn"] = float(attended_decode_area(decode_lens))
     f[DECODE_KV] = float(sum(decode_lens))
     return f
 

@@ -13,7 +13,7 @@ def test_features_of_a_hybrid_batch():
         [Chunk(1, 99, True), Chunk(1, 49, True), Chunk(64, 0, False), Chunk(32, 128, False)]
     )
     assert f["decode_tokens"] == 2
-    assert f["decode_attn"] == 2 * 100  # padded to the longest decode context of their group
+    assert f["decode_attn"] == 100 + 50  # small enough for the cpu backend's paged kernel: no padding
     assert f["prefill_tokens"] == 96
     assert f["prefill_chunks"] == 2
     assert f["prefill_attn"] == pytest.approx(64 * 32.5 + 32 * (128 + 16.5))
@@ -21,9 +21,15 @@ def test_features_of_a_hybrid_batch():
 
 
 def test_decode_attn_pads_each_decode_group_to_its_own_longest():
-    # a document at 4,000 tokens and two chats: the chats form their own group (engine.decode_groups)
+    # 8 decodes, one a document at 4,000 tokens: too big for the paged kernel (8 x 4000 keys), so the
+    # padded groups attend; the chats form their own group (engine.decode_groups)
+    f = iteration_features([Chunk(1, 3999, True)] + [Chunk(1, 99, True)] * 6 + [Chunk(1, 79, True)])
+    assert f["decode_attn"] == 4000 + 7 * 100
+
+
+def test_decode_attn_is_unpadded_for_the_paged_kernel():
     f = iteration_features([Chunk(1, 3999, True), Chunk(1, 99, True), Chunk(1, 79, True)])
-    assert f["decode_attn"] == 4000 + 2 * 100
+    assert f["decode_attn"] == 4000 + 100 + 80
 
 
 def test_synthetic_features_match_the_real_ones():

@@ -64,8 +64,8 @@ def _restart_positions(out, device):
     return ids, pos - starts  # every chunk starts at position 0
 
 
-def _chunk_sees_only_itself(out, block_size, device):
-    meta = ORIG_BUILD(out, block_size, device)
+def _chunk_sees_only_itself(out, block_size, device, paged_decodes=False):
+    meta = ORIG_BUILD(out, block_size, device, paged_decodes)
     spans = tuple(
         attention_mod.PrefillSpan(p.q_start, p.q_len, 0, p.kv_slots[p.context_len :]) for p in meta.prefills
     )

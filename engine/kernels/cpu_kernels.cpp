@@ -1,0 +1,373 @@
+// CPU kernels for one Llama layer: residual-add + RMSNorm, SiLU-and-mul, RoPE, KV-cache store, and
+// attention of decodes straight from the paged KV cache.
+//
+// Built at first use by stallfree/engine/kernels/cpu_fused.py (torch's JIT extension loader), which
+// documents the semantics; each op matches the *_ref function of stallfree.engine.kernels.fused. Inputs
+// are float32, bfloat16 or float16; every op computes in float32 and rounds once per stored value, except
+// add_rmsnorm, which rounds where the model's RMSNorm does.
+//
+// Why: an eager decode iteration of a small model runs ~40 small torch ops per layer, each a few
+// microseconds of dispatch on a 576-wide row, and the paged attention gathers whole pages before SDPA.
+// These ops do a layer's elementwise work in four calls and read the cache pages in place.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Rows handled per task: enough work that a task outweighs the thread pool's hand-off.
+int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1));
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kHalf,
+              name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+template <typename T>
+inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+// A row of n values widened to float32; the bfloat16 case is a 16-bit shift, written so that the compiler
+// vectorises it (c10::BFloat16's own conversion is not).
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+// ---- residual add + RMSNorm ---------------------------------------------------------------------------
+
+template <typename scalar_t>
+void add_rmsnorm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& w,
+                      at::Tensor& out, at::Tensor& new_res, double eps) {
+  const int64_t T = x.size(0), C = x.size(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* wp = w.data_ptr<scalar_t>();
+  const scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
+  scalar_t* op = out.data_ptr<scalar_t>();
+  scalar_t* np = new_res.data_ptr<scalar_t>();
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0),
+                ns = new_res.stride(0);
+  at::parallel_for(0, T, row_grain(C), [&](int64_t begin, int64_t end) {
+    std::vector<float> r(C);
+    for (int64_t t = begin; t < end; ++t) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < C; ++c) {
+        // NOTE: the norm reads the sum as stored (rounded to the activation dtype), as the torch path.
+        const scalar_t s = rp ? static_cast<scalar_t>(to_f(xp[t * xs + c]) + to_f(rp[t * rs + c]))
+                              : xp[t * xs + c];
+        np[t * ns + c] = s;
+        const float v = to_f(s);
+        r[c] = v;
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(C) + static_cast<float>(eps));
+      for (int64_t c = 0; c < C; ++c) {
+        const float normed = to_f(static_cast<scalar_t>(r[c] * inv));
+        op[t * os + c] = static_cast<scalar_t>(to_f(wp[c]) * normed);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                               const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  check_float(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "add_rmsnorm needs x (T, C) and weight (C,), got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "weight must be contiguous and share x's dtype");
+  if (residual) {
+    check_float(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x ", x.sizes(), " ", x.scalar_type());
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor new_res = at::empty(x.sizes(), x.options());  // a copy of x without a residual
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rmsnorm", [&] {
+    add_rmsnorm_impl<scalar_t>(x, residual, weight, out, new_res, eps);
+  });
+  return {out, new_res};
+}
+
+// ---- SiLU and multiply ------------------------------------------------------------------------------
+
+template <typename scalar_t>
+void silu_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, row_grain(I), [&](int64_t begin, int64_t end) {
+    float gf[256], uf[256];
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* g = xp + t * xs;
+      const scalar_t* u = g + I;
+      for (int64_t i0 = 0; i0 < I; i0 += 256) {  // in tiles, widened first so that the math vectorises
+        const int64_t n = std::min<int64_t>(256, I - i0);
+        load_row(g + i0, gf, n);
+        load_row(u + i0, uf, n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) gf[i] = gf[i] / (1.f + std::exp(-gf[i])) * uf[i];
+        for (int64_t i = 0; i < n; ++i) op[t * I + i0 + i] = static_cast<scalar_t>(gf[i]);
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul needs x (T, 2I), got ", x.sizes());
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_rows<scalar_t>(x, out); });
+  return out;
+}
+
+// ---- rotary embedding -------------------------------------------------------------------------------
+
+template <typename scalar_t>
+void rope_rows(at::Tensor& x, const int64_t* pos, const float* cosp, const float* sinp, int64_t cs) {
+  const int64_t T = x.size(0), n = x.size(1), half = x.size(2) / 2, s0 = x.stride(0), s1 = x.stride(1);
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  at::parallel_for(0, T * n, row_grain(2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / n, h = item % n;
+      scalar_t* row = xp + t * s0 + h * s1;
+      const float* c = cosp + pos[t] * cs;
+      const float* s = sinp + pos[t] * cs;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_f(row[i]), x2 = to_f(row[i + half]);
+        row[i] = static_cast<scalar_t>(x1 * c[i] - x2 * s[i]);
+        row[i + half] = static_cast<scalar_t>(x2 * c[i] + x1 * s[i]);
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_cache,
+           const at::Tensor& sin_cache) {
+  check_float(q, "q");
+  check_float(k, "k");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+                  q.size(2) % 2 == 0,
+              "rope_ needs q (T, nh, hd) and k (T, nkv, hd) with an even hd, got ", q.sizes(), ", ",
+              k.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
+                  cos_cache.is_contiguous() && sin_cache.is_contiguous() &&
+                  cos_cache.sizes() == sin_cache.sizes() && cos_cache.dim() == 2 &&
+                  cos_cache.size(1) == q.size(2) / 2,
+              "cos/sin caches must be contiguous float32 (max_pos, hd/2)");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.size(0) == q.size(0) && positions.is_contiguous(),
+              "positions must be contiguous int64 (T,)");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_cache.size(0);
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is outside the RoPE tables (",
+                max_pos, ")");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_", [&] {
+    rope_rows<scalar_t>(q, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), cos_cache.size(1));
+    rope_rows<scalar_t>(k, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), cos_cache.size(1));
+  });
+}
+
+// ---- KV-cache store ---------------------------------------------------------------------------------
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  check_float(k, "k");
+  check_float(v, "v");
+  check_float(k_cache, "k_cache");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "store_kv needs k and v (T, nkv, hd) of one shape and dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2) &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous (num_slots, nkv, hd) of one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == k.size(0) && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64 (T,)");
+  TORCH_CHECK(k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k and v heads must be packed rows");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), slots = k_cache.size(0);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] < slots, "slot ", sp[t], " is outside the cache (", slots, " slots)");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv_in", [&] {
+    using in_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "store_kv", [&] {
+      const in_t* kp = k.data_ptr<in_t>();
+      const in_t* vp = v.data_ptr<in_t>();
+      scalar_t* kc = k_cache.data_ptr<scalar_t>();
+      scalar_t* vc = v_cache.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        if (sp[t] < 0) continue;  // a padding row
+        for (int64_t i = 0; i < row; ++i) {
+          kc[sp[t] * row + i] = static_cast<scalar_t>(to_f(kp[t * k.stride(0) + i]));
+          vc[sp[t] * row + i] = static_cast<scalar_t>(to_f(vp[t * v.stride(0) + i]));
+        }
+      }
+    });
+  });
+}
+
+// ---- decode attention over the paged cache ----------------------------------------------------------
+
+// One task = one decode x one KV head: the group's query heads share each key and value row as it is
+// read. Scores are kept for the whole history (two passes: softmax, then the weighted sum of values).
+// HD > 0 fixes the head dim at compile time (the common 64 and 128), so the per-row loops are unrolled and
+// vectorised without remainders; HD = 0 reads it from q.
+template <typename q_t, typename c_t, int64_t HD>
+void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+  const int64_t D = q.size(0), H = q.size(1), hd = HD > 0 ? HD : q.size(2);
+  const int64_t KVH = k_cache.size(2), BS = k_cache.size(1), G = H / KVH, P = tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const q_t* qp = q.data_ptr<q_t>();
+  const c_t* kc = k_cache.data_ptr<c_t>();
+  const c_t* vc = v_cache.data_ptr<c_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  q_t* op = out.data_ptr<q_t>();
+  const float sc = static_cast<float>(scale);
+  // A task should hold ~64K multiply-adds; below that the thread pool's hand-off costs more than it saves.
+  int64_t longest = 1;
+  for (int64_t d = 0; d < D; ++d) longest = std::max<int64_t>(longest, lp[d]);
+  const int64_t grain = std::max<int64_t>(1, 65536 / (2 * longest * G * hd));
+  at::parallel_for(0, D * KVH, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * hd), acc(G * hd), row(hd), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t d = item / KVH, h = item % KVH, len = lp[d];
+      const int32_t* table = tp + d * P;
+      for (int64_t g = 0; g < G; ++g) {
+        float* qg = qf.data() + g * hd;
+        load_row(qp + d * qs0 + (h * G + g) * qs1, qg, hd);
+        for (int64_t i = 0; i < hd; ++i) qg[i] *= sc;
+      }
+      scores.assign(G * len, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const c_t* kr = kc + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + h) * hd;
+        load_row(kr, row.data(), hd);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * hd;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < hd; ++i) s += qg[i] * row[i];
+          scores[g * len + t] = s;
+        }
+      }
+      std::vector<float> denom(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
+        }
+        denom[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const c_t* vr = vc + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + h) * hd;
+        load_row(vr, row.data(), hd);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * hd;
+#pragma omp simd
+          for (int64_t i = 0; i < hd; ++i) ag[i] += p * row[i];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < hd; ++i)
+          op[(d * H + h * G + g) * hd + i] = static_cast<q_t>(acc[g * hd + i] / denom[g]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_float(q, "q");
+  check_float(k_cache, "k_cache");
+  TORCH_CHECK(q.dim() == 3, "q must be (D, H, hd), got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous (num_blocks, block_size, nkv, hd) of one dtype");
+  const int64_t D = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == hd && H % KVH == 0, "q heads ", H, " x ", hd, " do not fit the cache's ",
+              KVH, " x ", k_cache.size(3));
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == D && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32 (D, pages)");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == D &&
+                  seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32 (D,)");
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int64_t BS = k_cache.size(1), P = block_tables.size(1), NB = k_cache.size(0);
+  for (int64_t d = 0; d < D; ++d) {
+    TORCH_CHECK(lp[d] >= 1 && lp[d] <= P * BS, "decode ", d, ": history of ", lp[d],
+                " tokens does not fit its ", P, " pages");
+    for (int64_t p = 0; p < (lp[d] + BS - 1) / BS; ++p)
+      TORCH_CHECK(tp[d * P + p] >= 0 && tp[d * P + p] < NB, "decode ", d, ": block ", tp[d * P + p],
+                  " is outside the cache");
+  }
+  at::Tensor out = at::empty({D, H, hd}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
+    using q_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_kv", [&] {
+      if (hd == 64) {
+        decode_impl<q_t, scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      } else if (hd == 128) {
+        decode_impl<q_t, scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      } else {
+        decode_impl<q_t, scalar_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stallfree_cpu, m) {
+  m.def("add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_cache, Tensor sin_cache) -> ()");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
+  m.impl("add_rmsnorm", &add_rmsnorm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_", &rope_);
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
