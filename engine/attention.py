@@ -165,8 +165,8 @@ class TorchAttention:
 
     With `kernels` (stallfree.engine.kernels.cpu_fused: the `cpu` backend) the KV store runs in the C++
     kernel, and so do the decodes when build_metadata described them by block table (each decode reading
-    its own pages in place; see decode_groups.PAGED_DECODE_MAX_KEYS); prefill chunks stay on SDPA, which is GEMM-shaped
-    and already fast there.
+    its own pages in place; see decode_groups.PAGED_DECODE_MAX_KEYS); prefill chunks stay on SDPA, which
+    is GEMM-shaped and already fast there.
     """
 
     def __init__(
