@@ -20,8 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stallfree.engine.decode_groups import decode_groups
-from stallfree.engine.decode_groups import paged_decodes as attend_paged
+from stallfree.engine.decode_groups import decode_groups, fits_paged_kernel
 from stallfree.engine.scheduler import SchedulerOutput
 
 
@@ -65,7 +64,7 @@ def build_metadata(
     """Turn the scheduler's chunks into the flat-batch attention description.
 
     paged_decodes: describe the decodes by block table and length (for a kernel that reads the pages in
-    place) instead of in padded groups, when decode_groups.paged_decodes says the kernel should take them."""
+    place) instead of in padded groups, when decode_groups.fits_paged_kernel says the kernel should take them."""
     qo, page_ptr, pages, last_len, slot_chunks = [0], [0], [], [], []
     decode_lens: list[int] = []
     prefills: list[PrefillSpan] = []
@@ -86,7 +85,7 @@ def build_metadata(
         last_len.append(kv_len - (n_pages - 1) * block_size)
     groups = []
     tables = lens = None
-    if paged_decodes and attend_paged(decode_lens):
+    if paged_decodes and fits_paged_kernel(decode_lens):
         n = len(decode_lens)  # decodes come first: decode i has pages[i]
         tables_np = np.zeros((n, max(len(pages[i]) for i in range(n))), np.int32)
         for i in range(n):
@@ -178,7 +177,6 @@ class TorchAttention:
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernels = kernels
         self.name = "torch" if kernels is None else "cpu"
-        self.paged_decodes = kernels is not None  # what build_metadata must describe
 
     def bind(self, meta: AttentionMetadata):
         cache, kernels, nd = self.cache, self.kernels, meta.num_decodes

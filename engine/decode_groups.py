@@ -41,7 +41,7 @@ def decode_groups(lengths: Sequence[int]) -> list[list[int]]:
     return groups
 
 
-def paged_decodes(lengths: Sequence[int]) -> bool:
+def fits_paged_kernel(lengths: Sequence[int]) -> bool:
     """Whether the cpu backend attends for these decodes with its paged kernel (no padding)."""
     return 0 < len(lengths) * max(lengths, default=0) <= PAGED_DECODE_MAX_KEYS
 
@@ -49,7 +49,7 @@ def paged_decodes(lengths: Sequence[int]) -> bool:
 def attended_decode_area(lengths: Sequence[int]) -> int:
     """Key positions the CPU engine's decodes attend to: their histories through the paged kernel, or the
     padded groups' area when the iteration is too big for it (see PAGED_DECODE_MAX_KEYS)."""
-    return sum(lengths) if paged_decodes(lengths) else padded_decode_area(lengths)
+    return sum(lengths) if fits_paged_kernel(lengths) else padded_decode_area(lengths)
 
 
 def padded_decode_area(lengths: Sequence[int]) -> int:

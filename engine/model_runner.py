@@ -48,9 +48,10 @@ class ModelRunner:
         self.block_size = block_size
         self.cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
         self.attention = make_attention(attention_backend, self.cache, num_heads, num_kv_heads, head_dim)
-        # torch: plain torch ops, the reference path; cpu: the C++ kernels for the layers' elementwise work too
+        # torch: plain torch ops, the reference path; cpu: the C++ kernels for the layers' elementwise work
+        # and for decodes read from the pages in place (build_metadata then describes them by block table)
         model.kernels = getattr(self.attention, "kernels", None)  # type: ignore[assignment]
-        self.paged_decodes = getattr(self.attention, "paged_decodes", False)
+        self.paged_decodes = model.kernels is not None
         self.sampler = Sampler(stop_token_ids, seed=seed, device=device)
 
     def release(self, request_id: str) -> None:

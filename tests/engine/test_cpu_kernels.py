@@ -17,8 +17,8 @@ import pytest
 import torch
 from engine_helpers import LogitRecorder, make_llm, prompt_ids
 
-import stallfree.engine.attention as attention_mod
 import stallfree.engine.decode_groups as groups_mod
+import stallfree.engine.model_runner as runner_mod
 from stallfree.engine import SamplingParams
 from stallfree.engine.engine import resolve_attention_backend
 from stallfree.engine.kernels import cpu_fused as K
@@ -146,7 +146,7 @@ def _run(loaded, backend, prompts, monkeypatch=None, max_keys=None, mutate=False
     llm = make_llm(loaded, token_budget=48, attention_backend=backend)
     assert llm.engine.runner.attention.name == backend
     if mutate:
-        orig = attention_mod.build_metadata
+        orig = runner_mod.build_metadata
 
         def short(*a, **kw):
             meta = orig(*a, **kw)
@@ -154,10 +154,7 @@ def _run(loaded, backend, prompts, monkeypatch=None, max_keys=None, mutate=False
                 meta.decode_lens.sub_(1).clamp_(min=1)
             return meta
 
-        monkeypatch.setattr(attention_mod, "build_metadata", short)
-        import stallfree.engine.model_runner as runner_mod  # noqa: PLC0415
-
-        monkeypatch.setattr(runner_mod, "build_metadata", short)
+        monkeypatch.setattr(runner_mod, "build_metadata", short)  # the runner's own name for it
     rec = LogitRecorder(llm.engine.runner.model)
     llm.engine.runner.model = rec
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
