@@ -1,4 +1,7 @@
-"""CUDA graphs for the CUDA runner: whole decode iterations, and the pieces of hybrid iterations.
+"""CUDA graphs for the runner: whole decode iterations, and the pieces of hybrid iterations.
+
+Each graph class holds the model and the attention backend (which must support graphs: its `decode_fn`,
+`splits`, `bind(..., store=False)` and fused `kernels`), never the runner.
 
 - `DecodeGraphs`: a decode-only iteration (model + logits) is one graph per padded batch size; padding rows
   write no K/V (slot -1) and attend to nothing (length 0).
@@ -16,15 +19,13 @@ engine reports ready.
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from stallfree.engine.cuda_batch import HostBatch
-from stallfree.engine.kernels import fused
-
-if TYPE_CHECKING:
-    from stallfree.engine.cuda_runner import CudaModelRunner
+from stallfree.engine.attention.backend import AttentionBackend
+from stallfree.engine.attention.batch import HostBatch
+from stallfree.engine.model.llama import AttentionFn
 
 
 def graph_batch_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
@@ -42,10 +43,10 @@ class DecodeGraphs:
     replay first fills them from pinned host mirrors with asynchronous copies.
     """
 
-    def __init__(self, runner: CudaModelRunner, sizes: list[int], max_pages: int) -> None:
-        self.runner = runner
+    def __init__(self, model: nn.Module, backend: AttentionBackend, sizes: list[int], max_pages: int) -> None:
+        self.model, self.backend = model, backend
         self.sizes = sorted(sizes)
-        dev = runner.device
+        dev = backend.cache.device
         n = self.sizes[-1]
         self.host = {
             "ids": torch.zeros(n, dtype=torch.int64, pin_memory=True),
@@ -62,13 +63,15 @@ class DecodeGraphs:
         """The smallest captured size that holds `batch` decodes (None when none does)."""
         return next((s for s in self.sizes if s >= batch), None)
 
+    def fits(self, hb: HostBatch) -> bool:
+        """Whether this iteration replays a decode graph: decodes only, and few enough of them."""
+        return hb.decode_only and self.padded(hb.num_decodes) is not None
+
     def _forward(self, size: int) -> torch.Tensor:
-        r, d = self.runner, self.dev
-        attend = r.attention.decode_fn(
-            d["slots"][:size], d["tables"][:size], d["lens"][:size], r.attention.splits(size)
-        )
-        hidden = r.model(d["ids"][:size], d["pos"][:size], attend)  # (size, C)
-        return r.model.compute_logits(hidden)  # (size, V) float32
+        b, d = self.backend, self.dev
+        attend = b.decode_fn(d["slots"][:size], d["tables"][:size], d["lens"][:size], b.splits(size))
+        hidden = self.model(d["ids"][:size], d["pos"][:size], attend, b.kernels)  # (size, C)
+        return self.model.compute_logits(hidden)  # (size, V) float32
 
     def capture(self, pool) -> None:
         with _NoGC():
@@ -149,10 +152,10 @@ class PiecewiseGraphs:
     final norm).
     """
 
-    def __init__(self, runner: CudaModelRunner, sizes: list[int]) -> None:
-        self.runner = runner
+    def __init__(self, model: nn.Module, backend: AttentionBackend, sizes: list[int]) -> None:
+        self.model, self.backend = model, backend
         self.sizes = sorted(sizes)
-        model, dev = runner.model, runner.device
+        dev = backend.cache.device
         cfg = model.config
         n, dtype = self.sizes[-1], model.model.embed_tokens.weight.dtype
         self.num_layers = cfg.num_layers
@@ -171,7 +174,7 @@ class PiecewiseGraphs:
         return next((s for s in self.sizes if s >= tokens and s in self.graphs), None)
 
     def _segment(self, s: int, size: int) -> None:
-        m = self.runner.model
+        m, fused = self.model, self.backend.kernels
         layers = m.model.layers
         if s == 0:
             x, residual = m.model.embed_tokens(self.ids[:size]), None
@@ -182,7 +185,7 @@ class PiecewiseGraphs:
             return
         qkv, residual = layers[s].pre_attention(x, residual, self.pos[:size], m.rotary, fused)
         _, k, v = layers[s].self_attn.split_qkv(qkv)
-        kf, vf = self.runner.cache.flat(s)
+        kf, vf = self.backend.cache.flat(s)
         fused.store_kv(k, v, kf, vf, self.slots[:size])
         self.qkv[:size].copy_(qkv)
         self.residual[:size].copy_(residual)
@@ -210,7 +213,7 @@ class PiecewiseGraphs:
         torch.cuda.synchronize()
 
     def run(
-        self, hb: HostBatch, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, attend
+        self, hb: HostBatch, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, attend: AttentionFn
     ) -> torch.Tensor:
         """Forward of a batch of T tokens (device inputs already staged); returns hidden states (T, C)."""
         T = hb.num_tokens
@@ -221,7 +224,7 @@ class PiecewiseGraphs:
         self.slots[:T].copy_(slots)
         if size > T:
             self.slots[T:size].fill_(-1)
-        split = self.runner.model.model.layers[0].self_attn.split_qkv
+        split = self.model.model.layers[0].self_attn.split_qkv
         graphs = self.graphs[size]
         for s in range(self.num_layers + 1):
             graphs[s].replay()

@@ -8,18 +8,17 @@ no Prometheus.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
+from stallfree.engine.attention import FALLBACK, KVCache, make_backend, resolve_attention_backend
 from stallfree.engine.block_manager import BlockManager, blocks_needed
 from stallfree.engine.config import EngineConfig, SchedulerTunables
-from stallfree.engine.cuda_runner import CudaModelRunner
 from stallfree.engine.model.loader import LoadedModel, load_model
-from stallfree.engine.model_runner import ModelRunner
+from stallfree.engine.model_runner import GraphConfig, ModelRunner
 from stallfree.engine.output_processor import OutputProcessor
 from stallfree.engine.outputs import IterationStats, RequestOutput
 from stallfree.engine.request import Request, RequestStatus
@@ -45,39 +44,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend `name` stands for on this device and dtype; ValueError for impossible combinations.
-
-    auto: on CUDA in bf16/fp16 the Triton kernels (they need no nvcc and compile in seconds); in fp32 the
-    torch backend (exact; FlashInfer has no fp32 kernels); on the CPU the C++ kernels (`cpu`), or the
-    torch backend where they cannot be built (no compiler), with one warning.
-    """
-    if name == "auto":
-        if device.type == "cpu":
-            from stallfree.engine.kernels.cpu_fused import available  # noqa: PLC0415
-
-            return "cpu" if available() else "torch"
-        if device.type != "cuda" or dtype == torch.float32:
-            return "torch"
-        from stallfree.engine.kernels.fused import triton_available  # noqa: PLC0415
-
-        if triton_available():
-            return "triton"
-        logger.warning("triton is not installed: the torch attention backend runs on CUDA (slower)")
-        return "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
-        return name  # Triton's interpreter runs the kernels on CPU tensors: slow, for tests of the CUDA path
-    if name in ("triton", "flashinfer") and device.type != "cuda":
-        raise ValueError(f"the {name} attention backend needs a CUDA device; use attention_backend='torch'")
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError("the cpu attention backend runs on the CPU only; use auto, triton or torch on CUDA")
-    if name == "flashinfer" and dtype == torch.float32:
-        raise ValueError(
-            "FlashInfer has no float32 kernels: use dtype bfloat16/float16 or attention_backend='torch'"
-        )
-    return name
 
 
 class LLMEngine:
@@ -130,7 +96,7 @@ class LLMEngine:
             sched_cfg.tunables.token_budget,
             self.num_kv_blocks,
             config.cache.block_size,
-            self.runner.attention.name,
+            self.runner.backend.name,
         )
 
     def _prefix_cache_salt(self) -> str:
@@ -142,60 +108,50 @@ class LLMEngine:
         """Drop every cached block (admin action); returns how many were dropped."""
         return self.block_manager.reset_prefix_cache()
 
-    def _make_runner(self) -> ModelRunner | CudaModelRunner:
+    def _make_runner(self) -> ModelRunner:
         """The in-process runner; the parallel engine overrides this with its worker executor.
 
-        On CUDA the Triton (default) or FlashInfer backend runs in `CudaModelRunner`, warmed up (kernels
-        compiled, decode graphs captured) before the engine is ready; if `auto` chose it and it cannot
-        build its kernels, the engine says so once and uses the torch backend instead.
+        The backend is warmed up (kernels compiled, CUDA graphs captured) before the engine is ready; if
+        `auto` chose it and it cannot build its kernels, the engine says so once and uses the fallback
+        backend (torch) instead.
         """
         requested = self.config.attention_backend
         backend = resolve_attention_backend(requested, self.device, self.dtype)
-        if backend in ("triton", "flashinfer"):
-            try:
-                runner = self._cuda_runner(backend)
-                logger.info("CUDA runner warmed up in %.1f s (%s)", runner.warm_up(), backend)
-                return runner
-            except Exception as e:  # noqa: BLE001 - any kernel build failure: fall back, loudly, once
-                if requested != "auto":
-                    raise
-                logger.warning(
-                    "the %s attention backend could not build its kernels (%s: %s); using the torch backend",
-                    backend, type(e).__name__, e,
-                )  # fmt: skip
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-        return self._torch_runner(backend if backend == "cpu" else "torch")
+        try:
+            runner = self._runner(backend)
+            seconds = runner.warm_up()
+        except Exception as e:  # noqa: BLE001 - any kernel build failure: fall back, loudly, once
+            if requested != "auto" or backend == FALLBACK:
+                raise
+            logger.warning(
+                "the %s attention backend could not build its kernels (%s: %s); using the %s backend",
+                backend, type(e).__name__, e, FALLBACK,
+            )  # fmt: skip
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return self._runner(FALLBACK)
+        if seconds:
+            logger.info("runner warmed up in %.1f s (%s)", seconds, backend)
+        return runner
 
-    def _runner_args(self) -> dict:
-        """What every runner needs: the model's shape, the KV cache's size, the device, stop tokens, seed."""
-        mc = self.model_config
-        return dict(
-            num_layers=mc.num_layers,
-            num_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            num_blocks=self.num_kv_blocks,
-            block_size=self.config.cache.block_size,
-            kv_dtype=self.dtype,
-            device=self.device,
+    def _runner(self, backend: str) -> ModelRunner:
+        mc, cache = self.model_config, self.config.cache
+        kv = KVCache(
+            mc.num_layers, self.num_kv_blocks, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
+            self.device,
+        )  # fmt: skip
+        graphs = None
+        if self.config.cuda_graphs:
+            graphs = GraphConfig(
+                self.config.scheduler.max_num_seqs, self.max_model_len, self.config.max_graph_tokens
+            )
+        return ModelRunner(
+            self.loaded.model,
+            make_backend(backend, kv, mc.num_heads, mc.num_kv_heads, mc.head_dim),
             stop_token_ids=self.tokenizer.stop_token_ids,
             seed=self.config.seed,
+            graphs=graphs,
         )
-
-    def _cuda_runner(self, backend: str) -> CudaModelRunner:
-        return CudaModelRunner(
-            self.loaded.model,
-            attention_backend=backend,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
-            cuda_graphs=self.config.cuda_graphs,
-            max_graph_tokens=self.config.max_graph_tokens,
-            **self._runner_args(),
-        )
-
-    def _torch_runner(self, backend: str = "torch") -> ModelRunner:
-        return ModelRunner(self.loaded.model, attention_backend=backend, **self._runner_args())
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

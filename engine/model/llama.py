@@ -182,7 +182,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """The fused path: the residual add rides in the RMSNorm kernels. Returns (branch output, residual);
         the caller adds them in the next norm. Same arithmetic as `forward`, fewer kernels. `kernels` is
-        the module of fused ops (see LlamaForCausalLM.kernels)."""
+        the module of fused ops (see LlamaForCausalLM.forward)."""
         qkv, residual = self.pre_attention(x, residual, positions, rotary, kernels)
         out = attn(self.self_attn.layer_idx, *self.self_attn.split_qkv(qkv))  # (T, nh, hd)
         return self.post_attention(out, residual, kernels)
@@ -240,25 +240,25 @@ class LlamaForCausalLM(nn.Module):
         # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups).
         self.logits_proj: nn.Module | None = None
 
-    # Set by the runner: the module whose add_rmsnorm / rope_ / silu_and_mul run the layers' elementwise
-    # work (stallfree.engine.kernels.fused's Triton kernels on CUDA, .cpu_fused's C++ ones on the CPU), or
-    # None for plain torch ops (the reference path).
-    kernels: ModuleType | None = None
-
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, attn: AttentionFn, kernels: ModuleType | None = None
+    ) -> Tensor:
         """Run the decoder over one flattened ragged batch.
 
         input_ids, positions: (T,) int64. NOTE: positions are absolute (the token's index in its own
         request, counting the cached history), not offsets within this chunk or batch; a prefill chunk
         starting at token 512 of its prompt uses positions 512, 513, ... Each must be below
         config.max_position_embeddings. Returns hidden states (T, C) after the final norm.
+        kernels: the module whose add_rmsnorm / rope_ / silu_and_mul run the layers' elementwise work (the
+        attention backend's `kernels`: stallfree.engine.kernels.fused's Triton kernels on CUDA, .cpu_fused's
+        C++ ones on the CPU), or None for plain torch ops (the reference path).
         """
         x = self.model.embed_tokens(input_ids)  # (T, C)
-        if self.kernels is not None:
+        if kernels is not None:
             residual = None
             for layer in self.model.layers:
-                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn, self.kernels)
-            return self.kernels.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
+                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn, kernels)
+            return kernels.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
         cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, float32, shared by all layers
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # cast once, not per layer
         for layer in self.model.layers:

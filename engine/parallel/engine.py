@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import deque
 
+from stallfree.engine.attention import resolve_attention_backend
 from stallfree.engine.config import EngineConfig
 from stallfree.engine.engine import LLMEngine, resolve_device, resolve_dtype
 from stallfree.engine.model.loader import LoadedModel, load_model
@@ -31,7 +32,9 @@ from stallfree.engine.request import RequestStatus
 logger = logging.getLogger(__name__)
 
 
-class _Attention:
+class _BackendName:
+    """What the engine's start-up log reads: the backend every rank runs, and the layout."""
+
     def __init__(self, name: str) -> None:
         self.name = name
 
@@ -83,7 +86,10 @@ class ParallelLLMEngine(LLMEngine):
             model_path=self.config.model,
             load_format=self.config.load_format,
             block_size=cache.block_size,
-            attention_backend=self.config.attention_backend,
+            # NOTE: resolved here, once, so every rank runs the same backend
+            attention_backend=resolve_attention_backend(
+                self.config.attention_backend, self.device, self.dtype
+            ),
             kv_cache_bytes=None if cache.kv_cache_memory_gb is None else cache.kv_cache_memory_gb * 2**30,
             stop_token_ids=self.tokenizer.stop_token_ids,
             seed=self.config.seed,
@@ -103,8 +109,8 @@ class ParallelLLMEngine(LLMEngine):
     def _make_runner(self):  # type: ignore[override]
         assert self.executor is not None
         self.executor.allocate(self.num_kv_blocks)
-        self.executor.attention = _Attention(  # type: ignore[attr-defined]
-            f"{self.config.attention_backend} x tp{self.config.parallel.tensor_parallel_size}"
+        self.executor.backend = _BackendName(  # type: ignore[attr-defined]
+            f"{self.executor.template.attention_backend} x tp{self.config.parallel.tensor_parallel_size}"
             f" x pp{self.config.parallel.pipeline_parallel_size}"
         )
         return self.executor

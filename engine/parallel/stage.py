@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import Tensor, nn
 
@@ -43,10 +45,20 @@ class StageModel(nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, x: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """x: (T,) int64 ids on the first stage, else (T, C) hidden states from the previous stage."""
+    def forward(
+        self, x: Tensor, positions: Tensor, attn: AttentionFn, kernels: ModuleType | None = None
+    ) -> Tensor:
+        """x: (T,) int64 ids on the first stage, else (T, C) hidden states from the previous stage.
+        kernels: the attention backend's fused elementwise ops, or None for plain torch ops."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (T, C)
+        if kernels is not None:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn, kernels)
+            if self.norm is None:
+                return x + residual  # NOTE: the next stage takes the residual stream whole
+            return kernels.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:

@@ -28,12 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stallfree.engine.attention import KVCache, build_metadata, make_attention
+from stallfree.engine.attention import KVCache, make_backend
 from stallfree.engine.model.config import LlamaConfig
-from stallfree.engine.model_runner import flatten_batch
+from stallfree.engine.model_runner import ModelRunner
 from stallfree.engine.parallel.layers import Collective, NoCollective, head_shard
 from stallfree.engine.parallel.stage import StageModel, build_stage
-from stallfree.engine.sampler import Sampler, SampleRequest
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class WorkerInit:
     state: dict[str, Tensor] | None  # full weights in shared memory (same host), or None: load model_path
     model_path: str | None
     block_size: int
-    attention_backend: str
+    attention_backend: str  # resolved by the leader (never auto): every rank runs the same backend
     kv_cache_bytes: float | None  # per rank; None = 1 GiB on CPU, half the free memory on CUDA
     stop_token_ids: frozenset[int]
     seed: int
@@ -108,8 +107,34 @@ def _init_distributed(init: WorkerInit) -> Collective:
     return comm
 
 
+class PipeLink:
+    """A stage's hand-offs: hidden states from the previous stage (same tensor rank) and to the next one."""
+
+    def __init__(self, init: WorkerInit, stage: StageModel, device: torch.device) -> None:
+        self.init, self.device = init, device
+        self.last = stage.last
+        self.prev = init.rank - init.tp_size if not stage.first else None
+        self.next = init.rank + init.tp_size if not stage.last else None
+        self._pending_send: tuple[object, Tensor] | None = None
+
+    def receive(self, num_tokens: int) -> Tensor | None:
+        if self.prev is None:
+            return None
+        cfg = self.init.model_config
+        x = torch.empty(num_tokens, cfg.hidden_size, dtype=self.init.dtype, device=self.device)
+        dist.recv(x, self.prev)  # (T, C) from the previous stage
+        return x
+
+    def send(self, hidden: Tensor) -> None:
+        # One send in flight: wait for the previous one before posting the next (keeps its buffer alive).
+        if self._pending_send is not None:
+            self._pending_send[0].wait()
+        self._pending_send = (dist.isend(hidden.contiguous(), self.next), hidden)
+
+
 class StageWorker:
-    """Runs micro-batches through this rank's stage; the sampling rank returns the sampled tokens."""
+    """Runs micro-batches through this rank's stage with the one model runner; the sampling rank returns
+    the sampled tokens."""
 
     def __init__(self, init: WorkerInit, stage: StageModel, device: torch.device) -> None:
         self.init, self.stage, self.device = init, stage, device
@@ -117,12 +142,7 @@ class StageWorker:
         hs = head_shard(cfg.num_heads, cfg.num_kv_heads, init.tp_size, init.tp_rank)
         self.num_heads, self.num_kv_heads = len(hs.q_heads), len(hs.kv_heads)
         self.samples = stage.last and init.tp_rank == 0
-        self.sampler = Sampler(init.stop_token_ids, seed=init.seed, device=device) if stage.last else None
-        self.prev = init.rank - init.tp_size if not stage.first else None
-        self.next = init.rank + init.tp_size if not stage.last else None
-        self._pending_send: tuple[object, Tensor] | None = None
-        self.cache: KVCache | None = None
-        self.attention = None
+        self.runner: ModelRunner | None = None
         # (mb, tokens, start, compute start, compute end, end), monotonic seconds; for the bubble figures
         self.records: list[tuple[int, int, float, float, float, float]] = []
 
@@ -141,69 +161,32 @@ class StageWorker:
         return max(1, int(budget // self.kv_block_bytes()))
 
     def allocate(self, num_blocks: int) -> None:
-        cfg = self.init.model_config
-        self.cache = KVCache(
-            self.stage.num_layers, num_blocks, self.init.block_size, self.num_kv_heads, cfg.head_dim,
-            self.init.dtype, self.device,
+        init, cfg = self.init, self.init.model_config
+        cache = KVCache(
+            self.stage.num_layers, num_blocks, init.block_size, self.num_kv_heads, cfg.head_dim, init.dtype,
+            self.device,
         )  # fmt: skip
-        self.attention = make_attention(
-            self.init.attention_backend, self.cache, self.num_heads, self.num_kv_heads, cfg.head_dim
-        )
+        backend = make_backend(init.attention_backend, cache, self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.runner = ModelRunner(
+            self.stage, backend, stop_token_ids=init.stop_token_ids, seed=init.seed,
+            link=PipeLink(init, self.stage, self.device), samples=self.samples,
+        )  # fmt: skip
 
-    @torch.inference_mode()
     def run(self, mb: int, sched, released: tuple[str, ...]):
-        """Run one micro-batch through this stage. Returns (samples, timings) on the sampling rank."""
+        """Run one micro-batch through this stage. Returns (samples, timings) on the last stage."""
+        assert self.runner is not None
         t0 = time.monotonic()
-        if self.sampler is not None:
-            for rid in released:
-                self.sampler.release(rid)
-        input_ids, positions = flatten_batch(sched, self.device)
-        meta = build_metadata(sched, self.init.block_size, self.device)
-        attend = self.attention.bind(meta)
-        if self.prev is None:
-            x = input_ids
-        else:
-            x = torch.empty(sched.num_tokens, self.init.model_config.hidden_size, dtype=self.init.dtype,
-                            device=self.device)  # fmt: skip
-            dist.recv(x, self.prev)  # (T, C) from the previous stage
-        t1 = time.monotonic()
-        hidden = self.stage(x, positions, attend)
-        if self.next is not None:
-            self._sync()
-            tc = time.monotonic()
-            self._send(hidden)
+        for rid in released:
+            self.runner.release(rid)
+        out = self.runner.execute(sched)
+        t1 = t0 + out.time_prepare
+        tc = t1 + out.time_forward
+        if not self.stage.last:
             self.records.append((mb, sched.num_tokens, t0, t1, tc, time.monotonic()))
             return None
-        rows, reqs, offset = [], [], 0
-        for c in sched.chunks:
-            offset += c.num_tokens
-            if c.sample:
-                rows.append(offset - 1)
-                reqs.append(SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens))
-        samples = {}
-        if rows:
-            logits = self.stage.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # (N, V)
-            self._sync()
-            t2 = time.monotonic()
-            if self.samples:
-                assert self.sampler is not None
-                for r, res in zip(reqs, self.sampler.sample(logits, reqs), strict=True):
-                    samples[r.request_id] = res
-        else:
-            t2 = time.monotonic()
-        t3 = time.monotonic()
+        t3 = tc + out.time_sample
         self.records.append((mb, sched.num_tokens, t0, t1, t3, t3))
-        return samples, (t1 - t0, t2 - t1, t3 - t2)
-
-    def _send(self, hidden: Tensor) -> None:
-        # One send in flight: wait for the previous one before posting the next (keeps its buffer alive).
-        if self._pending_send is not None:
-            self._pending_send[0].wait()
-        self._pending_send = (dist.isend(hidden.contiguous(), self.next), hidden)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return out.samples, (out.time_prepare, out.time_forward, out.time_sample)
 
 
 def _watch_parent(parent: int) -> None:

@@ -245,7 +245,7 @@ def run_backend(
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, loaded=loaded)
-    name = engine.runner.attention.name + ("-eager-hybrid" if eager_hybrid else "")
+    name = engine.runner.backend.name + ("-eager-hybrid" if eager_hybrid else "")
     row: dict = {"backend": name, "startup_s": time.perf_counter() - t0}
     row["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
     row["piecewise_graphs"] = getattr(engine.runner, "piecewise", None) is not None

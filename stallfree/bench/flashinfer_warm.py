@@ -33,9 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch  # noqa: PLC0415
 
-    from stallfree.engine.attention import KVCache  # noqa: PLC0415
-    from stallfree.engine.cuda_attention import DeviceBatch, FlashInferAttention  # noqa: PLC0415
-    from stallfree.engine.cuda_batch import HostBatch  # noqa: PLC0415
+    from stallfree.engine.attention import HostBatch, KVCache, Stager  # noqa: PLC0415
+    from stallfree.engine.attention.flashinfer_backend import FlashInferBackend  # noqa: PLC0415
 
     if not torch.cuda.is_available():
         print("flashinfer_warm: no CUDA device", file=sys.stderr)
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     dtype, dev, bs = getattr(torch, args.dtype), torch.device("cuda"), args.block_size
     cache = KVCache(1, 8, bs, args.num_kv_heads, args.head_dim, dtype, dev)
-    attn = FlashInferAttention(cache, args.num_heads, args.num_kv_heads, args.head_dim)
+    attn = FlashInferBackend(cache, args.num_heads, args.num_kv_heads, args.head_dim)
     i64 = np.int64
     n = 1 if args.kind == "decode" else bs + 3
     table = np.arange(4, dtype=i64)[None, :]
@@ -66,14 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         sample_rows=np.array([n - 1], dtype=i64),
     )
 
-    def dev_(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(dev)
-
-    batch = DeviceBatch(
-        hb, dev_(hb.slot_mapping), dev_(hb.decode_lens), dev_(hb.decode_tables), 1, dev_(hb.prefill_q_starts),
-        dev_(hb.prefill_q_lens), dev_(hb.prefill_ctx_lens), dev_(hb.prefill_tables), dev_(hb.prefill_hist_slots),
-    )  # fmt: skip
-    attend = attn.bind(batch)
+    attend = attn.bind(attn.build_metadata(Stager(dev).stage_batch(hb), hb.num_decodes))
     q = torch.randn(n, args.num_heads, args.head_dim, dtype=dtype, device=dev)
     k = torch.randn(n, args.num_kv_heads, args.head_dim, dtype=dtype, device=dev)
     out = attend(0, q, k, k.clone())

@@ -32,7 +32,6 @@ def _model(shape: str, dtype: torch.dtype, layers: int | None = None) -> LoadedM
 
 
 def _llm(loaded: LoadedModel, dtype: torch.dtype, backend: str, budget: int, **kw) -> LLM:
-    loaded.model.kernels = None  # each engine sets what its runner needs
     return LLM(
         loaded_model=loaded, attention_backend=backend, token_budget=budget, device=DEVICE,
         dtype=str(dtype).removeprefix("torch."), num_kv_blocks=kw.pop("num_kv_blocks", 256),

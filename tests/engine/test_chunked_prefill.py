@@ -6,11 +6,13 @@ show the comparison is sharp: positions restarted per chunk, a chunk that sees o
 that sees its own future all move the logits by far more than ATOL.
 """
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
-import torch
 from engine_helpers import first_logits_and_greedy, greedy, make_llm, prompt_ids
 
-import stallfree.engine.attention as attention_mod
+import stallfree.engine.attention.torch_backend as torch_backend_mod
 import stallfree.engine.model_runner as runner_mod
 
 ATOL = 2e-3
@@ -58,37 +60,36 @@ def test_mixed_batches_give_each_request_its_solo_output(default_model):
         assert [o.token_ids for o in outs] == solo, f"{policy} budget {budget} changed an output"
 
 
-def _restart_positions(out, device):
-    ids, pos = ORIG_FLATTEN(out, device)
-    starts = torch.cat([torch.full((c.num_tokens,), c.start) for c in out.chunks])
-    return ids, pos - starts  # every chunk starts at position 0
+def _restart_positions(out, block_size):
+    hb = ORIG_HOST_BATCH(out, block_size)
+    starts = np.concatenate([np.full(c.num_tokens, c.start) for c in out.chunks])
+    return replace(hb, positions=hb.positions - starts)  # every chunk starts at position 0
 
 
-def _chunk_sees_only_itself(out, block_size, device, paged_decodes=False):
-    meta = ORIG_BUILD(out, block_size, device, paged_decodes)
+def _chunk_sees_only_itself(batch, block_size, paged_decodes=False):
+    meta = ORIG_METADATA(batch, block_size, paged_decodes)
     spans = tuple(
-        attention_mod.PrefillSpan(p.q_start, p.q_len, 0, p.kv_slots[p.context_len :]) for p in meta.prefills
+        torch_backend_mod.PrefillSpan(p.q_start, p.q_len, 0, p.kv_slots[p.context_len :])
+        for p in meta.prefills
     )
-    return attention_mod.AttentionMetadata(
-        **{**{f: getattr(meta, f) for f in meta.__slots__}, "prefills": spans}
-    )
+    return replace(meta, prefills=spans)
 
 
 def _sees_the_future(self, q, keys, vals, context_len):
     return ORIG_PREFILL(self, q, keys, vals, context_len + q.shape[0])
 
 
-ORIG_FLATTEN = runner_mod.flatten_batch
-ORIG_BUILD = runner_mod.build_metadata
-ORIG_PREFILL = attention_mod.TorchAttention._prefill
+ORIG_HOST_BATCH = runner_mod.host_batch
+ORIG_METADATA = torch_backend_mod.torch_metadata
+ORIG_PREFILL = torch_backend_mod.TorchBackend._prefill
 
 
 @pytest.mark.parametrize(
     "target,attr,mutant",
     [
-        (runner_mod, "flatten_batch", _restart_positions),
-        (runner_mod, "build_metadata", _chunk_sees_only_itself),
-        (attention_mod.TorchAttention, "_prefill", _sees_the_future),
+        (runner_mod, "host_batch", _restart_positions),
+        (torch_backend_mod, "torch_metadata", _chunk_sees_only_itself),
+        (torch_backend_mod.TorchBackend, "_prefill", _sees_the_future),
     ],
     ids=["positions-restart-per-chunk", "chunk-sees-only-itself", "chunk-sees-its-future"],
 )

@@ -17,10 +17,10 @@ import pytest
 import torch
 from engine_helpers import LogitRecorder, make_llm, prompt_ids
 
+import stallfree.engine.attention.torch_backend as torch_backend_mod
 import stallfree.engine.decode_groups as groups_mod
-import stallfree.engine.model_runner as runner_mod
 from stallfree.engine import SamplingParams
-from stallfree.engine.engine import resolve_attention_backend
+from stallfree.engine.attention import resolve_attention_backend
 from stallfree.engine.kernels import cpu_fused as K
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="no C++ compiler here to build the CPU kernels")
@@ -144,9 +144,9 @@ def _run(loaded, backend, prompts, monkeypatch=None, max_keys=None, mutate=False
     if max_keys is not None:
         monkeypatch.setattr(groups_mod, "PAGED_DECODE_MAX_KEYS", max_keys)
     llm = make_llm(loaded, token_budget=48, attention_backend=backend)
-    assert llm.engine.runner.attention.name == backend
+    assert llm.engine.runner.backend.name == backend
     if mutate:
-        orig = runner_mod.build_metadata
+        orig = torch_backend_mod.torch_metadata
 
         def short(*a, **kw):
             meta = orig(*a, **kw)
@@ -154,7 +154,7 @@ def _run(loaded, backend, prompts, monkeypatch=None, max_keys=None, mutate=False
                 meta.decode_lens.sub_(1).clamp_(min=1)
             return meta
 
-        monkeypatch.setattr(runner_mod, "build_metadata", short)  # the runner's own name for it
+        monkeypatch.setattr(torch_backend_mod, "torch_metadata", short)  # what the backend calls
     rec = LogitRecorder(llm.engine.runner.model)
     llm.engine.runner.model = rec
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stallfree.engine.attention import KVCache, TorchAttention, build_metadata
+from stallfree.engine.attention import KVCache, Stager, host_batch
+from stallfree.engine.attention.torch_backend import TorchBackend
 from stallfree.engine.decode_groups import MIN_GAP, decode_groups, padded_decode_area
 from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -63,10 +64,11 @@ def test_grouped_decodes_attend_exactly_to_their_own_history(lengths):
     chunks = [_chunk(f"d{i}", n - 1, tables[i], True) for i, n in enumerate(lengths)]
     chunks.append(_chunk("p", 30, tables[-1], False))
     out = SchedulerOutput(tuple(chunks), (), 64, 7, len(lengths))
-    meta = build_metadata(out, bs, torch.device("cpu"))
+    backend = TorchBackend(cache, heads, kv_heads, hd)
+    meta = backend.build_metadata(Stager(torch.device("cpu")).stage_batch(host_batch(out, bs)), len(lengths))
     t = len(lengths) + 7
     q, k, v = torch.randn(t, heads, hd), torch.randn(t, kv_heads, hd), torch.randn(t, kv_heads, hd)
-    got = TorchAttention(cache, heads, kv_heads, hd).bind(meta)(0, q, k, v)
+    got = backend.bind(meta)(0, q, k, v)
 
     kf, vf = (x.view(-1, kv_heads, hd).double() for x in (cache.k[0], cache.v[0]))
     for i, n in enumerate(lengths):

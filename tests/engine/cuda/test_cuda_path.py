@@ -1,4 +1,4 @@
-"""The CUDA path (CudaModelRunner: fused kernels, Triton paged attention, GPU sampler, CUDA graphs) computes
+"""The CUDA path (the runner with the triton backend: fused kernels, Triton paged attention, GPU sampler, CUDA graphs) computes
 what the torch reference backend computes.
 
 On a CUDA machine these run on the GPU in bfloat16 (and fp16, fp32) on random-weight models of the
@@ -97,7 +97,7 @@ def test_fp16_and_fp32_work_on_cuda(dtype):
     ref = _run(_llm(loaded, dtype, "torch", 4096), prompts)
     auto = _llm(loaded, dtype, "auto", 64)
     want = "torch" if dtype == torch.float32 else "triton"
-    assert auto.engine.runner.attention.name == want
+    assert auto.engine.runner.backend.name == want
     _compare(ref, _run(auto, prompts), dtype, f"auto ({want}) {dtype}")
     if dtype == torch.float32:
         _compare(ref, _run(_llm(loaded, dtype, "triton", 64), prompts), dtype, "triton fp32")

@@ -1,44 +1,37 @@
-"""Attention for the CUDA runner: the Triton kernels (default) or FlashInfer, fed one `DeviceBatch`.
+"""The triton backend (the CUDA default): Triton paged-attention kernels, CUDA-graph safe.
 
-Both write the new tokens' K/V into the cache pages first, then attend. The Triton backend sends decode rows
+It writes the new tokens' K/V into the cache pages first, then attends. It sends decode rows
 through its paged split-KV decode kernel (CUDA-graph safe), and prefill chunks, in bf16/fp16, through the
 FlashAttention-2 kernel that ships in torch: a chunk's history is gathered from the pages into one
 contiguous K/V (a copy of a few MB per layer) and attended with bottom-right causal alignment, which is
 that kernel's meaning of `is_causal` when queries are fewer than keys. In fp32 (no FlashAttention) chunks
-go through the Triton paged prefill kernel. Neither backend synchronises with the host.
+go through the Triton paged prefill kernel. It never synchronises with the host.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stallfree.engine.attention import KVCache
-from stallfree.engine.cuda_batch import HostBatch
+from stallfree.engine.attention.backend import AttentionBackend
+from stallfree.engine.attention.batch import DeviceBatch
+from stallfree.engine.attention.kv_cache import KVCache
 from stallfree.engine.kernels import fused
 from stallfree.engine.kernels.paged_attention import decode_splits, paged_decode, paged_prefill
+from stallfree.engine.model.llama import AttentionFn
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceBatch:
-    """The device side of a `HostBatch` (int64 tensors), plus the host facts that size kernel grids."""
-
-    host: HostBatch
-    slot_mapping: torch.Tensor  # (T,)
-    decode_lens: torch.Tensor  # (D,)
-    decode_tables: torch.Tensor  # (D, P)
-    decode_splits: int
-    prefill_q_starts: torch.Tensor  # (C,)
-    prefill_q_lens: torch.Tensor
-    prefill_ctx_lens: torch.Tensor
-    prefill_tables: torch.Tensor  # (C, P')
-    prefill_hist_slots: torch.Tensor  # every chunk's history slots, concatenated (HostBatch)
+class TritonMetadata:
+    batch: DeviceBatch
+    decode_splits: int  # split-KV count of the decode kernel (from the padded decode count)
 
 
 def store_kv(cache: KVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -46,24 +39,38 @@ def store_kv(cache: KVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v
     fused.store_kv(k, v, kf, vf, slots)
 
 
-class TritonAttention:
+class TritonBackend(AttentionBackend):
     """Paged decode and prefill kernels of stallfree.engine.kernels.paged_attention."""
 
     name = "triton"
+    supports_graphs = True
+    compiles_kernels = True
+    samples_on_device = True
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        self.cache = cache
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
+        super().__init__(cache, num_heads, num_kv_heads, head_dim)
         dev = cache.k[0].device
         # Off CUDA (Triton's interpreter, in tests) a nominal 4 SMs keeps the split counts small.
         self.num_sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         )
 
+    @property
+    def kernels(self) -> ModuleType:
+        return fused
+
     def splits(self, padded_batch: int) -> int:
         return decode_splits(padded_batch, self.num_kv_heads, self.num_sms)
 
-    def decode_fn(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int):
+    def build_metadata(self, batch: DeviceBatch, padded_decodes: int) -> TritonMetadata:
+        # NOTE: split-KV counts depend on the padded batch size only, so graphs and eager agree.
+        return TritonMetadata(batch, self.splits(padded_decodes) if batch.host.num_decodes else 1)
+
+    def decode_fn(
+        self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int
+    ) -> AttentionFn:
         """The attention of a decode-only batch (what the CUDA graphs capture)."""
         cache = self.cache
 
@@ -74,28 +81,28 @@ class TritonAttention:
 
         return attend
 
-    def bind(self, batch: DeviceBatch, store: bool = True):
-        """The attention function of this batch; store=False when the caller already wrote the new K/V
-        (the piecewise CUDA graphs do it inside the graph)."""
+    def bind(self, meta: TritonMetadata, store: bool = True) -> AttentionFn:
         if self.cache.k[0].dtype in (torch.bfloat16, torch.float16) and self.cache.k[0].is_cuda:
-            return self._bind_flash(batch, store)
-        return self._bind_paged(batch, store)
+            return self._bind_flash(meta, store)
+        return self._bind_paged(meta, store)
 
     def _store_and_decode(
-        self, batch: DeviceBatch, store: bool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, meta: TritonMetadata, store: bool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """The part every batch shares: store the new K/V (unless done already), attend for the decode rows
         (the first D). Returns the output (T, nh, hd) with the decode rows filled."""
+        batch = meta.batch
         cache, D = self.cache, batch.host.num_decodes
         if store:
             store_kv(cache, layer, batch.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
         if D:
             kc, vc = cache.k[layer], cache.v[layer]
-            paged_decode(q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], batch.decode_splits)
+            paged_decode(q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], meta.decode_splits)
         return out
 
-    def _bind_flash(self, batch: DeviceBatch, store: bool):
+    def _bind_flash(self, meta: TritonMetadata, store: bool) -> AttentionFn:
+        batch = meta.batch
         cache, host = self.cache, batch.host
         off = host.prefill_hist_offsets.tolist()
         group = self.num_heads // self.num_kv_heads
@@ -107,7 +114,7 @@ class TritonAttention:
         ]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = self._store_and_decode(batch, store, layer, q, k, v)
+            out = self._store_and_decode(meta, store, layer, q, k, v)
             kf, vf = cache.flat(layer)
             for s, n, c, h0, h1 in chunks:
                 if c == 0:
@@ -122,7 +129,8 @@ class TritonAttention:
 
         return attend
 
-    def _bind_paged(self, batch: DeviceBatch, store: bool):
+    def _bind_paged(self, meta: TritonMetadata, store: bool) -> AttentionFn:
+        batch = meta.batch
         cache, host = self.cache, batch.host
         # NOTE: chunks with nothing cached before them attend only to themselves: torch's fused causal SDPA
         # (FlashAttention) on their own K/V; the others read their history from the pages.
@@ -143,7 +151,7 @@ class TritonAttention:
         group = self.num_heads // self.num_kv_heads
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = self._store_and_decode(batch, store, layer, q, k, v)
+            out = self._store_and_decode(meta, store, layer, q, k, v)
             kc, vc = cache.k[layer], cache.v[layer]
             for s, n in fresh:
                 out[s : s + n] = _causal_sdpa(q[s : s + n], k[s : s + n], v[s : s + n], group)
@@ -197,76 +205,3 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) 
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True
     )  # (1, nh, n, hd)
     return o[0].transpose(0, 1)
-
-
-class FlashInferAttention:
-    """FlashInfer: decode rows through its paged decode kernel, prefill chunks through its paged prefill
-    kernel, both planned once per iteration from host arrays (nothing is read back from the GPU to plan)."""
-
-    name = "flashinfer"
-
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        import flashinfer  # noqa: PLC0415 - optional, CUDA only
-
-        self.cache = cache
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        dev = cache.k[0].device
-        self._ws_decode = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
-        self._ws_prefill = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._ws_decode, kv_layout="NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._ws_prefill, kv_layout="NHD")
-
-    def splits(self, padded_batch: int) -> int:
-        return 1
-
-    def _paged(self, lens: np.ndarray, tables: np.ndarray, device: torch.device):
-        """FlashInfer's (indptr, indices, last_page_len) for requests with `lens` keys: indptr and
-        last_page_len stay on the host (plan reads them there), indices go to the device."""
-        bs = self.cache.block_size
-        pages = -(-lens // bs)
-        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-        indices = np.concatenate([tables[i, :p] for i, p in enumerate(pages)]).astype(np.int32)
-        last = (lens - (pages - 1) * bs).astype(np.int32)
-        dev_indices = torch.from_numpy(indices).pin_memory().to(device, non_blocking=True)
-        return torch.from_numpy(indptr), dev_indices, torch.from_numpy(last)
-
-    def bind(self, batch: DeviceBatch, store: bool = True):
-        cache, host = self.cache, batch.host
-        D, dtype, dev = host.num_decodes, cache.k[0].dtype, cache.k[0].device
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, cache.block_size)
-        if D:
-            indptr, indices, last = self._paged(host.decode_lens, host.decode_tables, dev)
-            self._decode.plan(indptr, indices, last, *shape, q_data_type=dtype, kv_data_type=dtype)
-        C = len(host.prefill_q_lens)
-        if C:
-            kv_lens = host.prefill_ctx_lens + host.prefill_q_lens
-            indptr, indices, last = self._paged(kv_lens, host.prefill_tables, dev)
-            qo = np.concatenate([[0], np.cumsum(host.prefill_q_lens)]).astype(np.int32)
-            self._prefill.plan(
-                torch.from_numpy(qo), indptr, indices, last, *shape, causal=True,
-                q_data_type=dtype, kv_data_type=dtype,
-            )  # fmt: skip
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if store:
-                store_kv(cache, layer, batch.slot_mapping, k, v)
-            kv = (cache.k[layer], cache.v[layer])
-            parts = []
-            if D:
-                parts.append(self._decode.run(q[:D].contiguous(), kv))
-            if C:
-                parts.append(self._prefill.run(q[D:].contiguous(), kv))
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        return attend
-
-
-def make_cuda_attention(backend: str, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
-    """The named CUDA attention ("triton" or "flashinfer"); ValueError when it cannot serve this model."""
-    if backend == "flashinfer":
-        return FlashInferAttention(cache, num_heads, num_kv_heads, head_dim)
-    if backend == "triton":
-        if head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
-        return TritonAttention(cache, num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown CUDA attention backend {backend!r}")

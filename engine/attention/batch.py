@@ -1,9 +1,10 @@
-"""The host-side description of one iteration for the CUDA runner, and its one copy to the device.
+"""The one description of an iteration that every attention backend builds its metadata from.
 
-Everything the forward needs (token ids, absolute positions, KV slots, the decodes' block tables and
-lengths, the prefill chunks' offsets and tables, the rows to sample) is computed from the scheduler's
-integers in numpy, then copied to the GPU in one transfer from pinned memory, without a synchronisation.
-Nothing is ever read back from the device to plan a batch.
+`host_batch` is the only place that turns the scheduler's chunks and block tables into KV-cache slots: the
+token ids, absolute positions, KV slots, the decodes' block tables and lengths, the prefill chunks' offsets,
+tables and history slots, the rows to sample, all in numpy. `Stager` copies them to the device in one
+transfer (from pinned memory on CUDA, without a synchronisation) as a `DeviceBatch`. Nothing is ever read
+back from the device to plan a batch.
 """
 
 from __future__ import annotations
@@ -108,6 +109,25 @@ def host_batch(out: SchedulerOutput, block_size: int) -> HostBatch:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceBatch:
+    """The arrays of a `HostBatch` on the device (int64 views into one staging buffer, valid for one
+    iteration), with the host batch itself for what sizes kernel grids and plans."""
+
+    host: HostBatch
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    slot_mapping: torch.Tensor  # (T,)
+    decode_lens: torch.Tensor  # (D,)
+    decode_tables: torch.Tensor  # (D, P)
+    prefill_q_starts: torch.Tensor  # (C,)
+    prefill_q_lens: torch.Tensor
+    prefill_ctx_lens: torch.Tensor
+    prefill_tables: torch.Tensor  # (C, P')
+    prefill_hist_slots: torch.Tensor  # every chunk's history slots, concatenated (HostBatch)
+    sample_rows: torch.Tensor  # (N,)
+
+
 class Stager:
     """Copies a list of int64 numpy arrays to the device in one transfer, through a reused pinned buffer.
 
@@ -147,3 +167,16 @@ class Stager:
             views.append(dev[offset : offset + n].view(a.shape))
             offset += n
         return views
+
+    def stage_batch(self, hb: HostBatch) -> DeviceBatch:
+        """The whole host batch on the device, in one transfer."""
+        return DeviceBatch(
+            hb,
+            *self.stage(
+                [
+                    hb.input_ids, hb.positions, hb.slot_mapping, hb.decode_lens, hb.decode_tables,
+                    hb.prefill_q_starts, hb.prefill_q_lens, hb.prefill_ctx_lens, hb.prefill_tables,
+                    hb.prefill_hist_slots, hb.sample_rows,
+                ]
+            ),
+        )  # fmt: skip

@@ -1,0 +1,69 @@
+"""The interface every attention backend implements (after vLLM's AttentionBackend + metadata builder).
+
+A backend owns nothing but its view of the KV cache and whatever its kernels need between iterations
+(workspaces, plans). Per iteration the runner hands it the one common `DeviceBatch`; the backend builds
+its own metadata from it (`build_metadata`) and binds that into the function the model calls once per layer
+(`bind`). It also says, as class attributes, what the runner should do around it: which fused elementwise
+kernels the model runs with, whether it can be replayed inside CUDA graphs, whether its kernels compile on
+first use (a warm-up batch before the engine reports ready), and whether sampling stays on the device.
+
+NOTE: the causal rule is bottom-right aligned: query i of a chunk that starts at absolute position s sees
+keys at positions 0 .. s + i. That is what makes a chunked prefill compute the same thing as a one-shot one.
+Metadata is always an explicit argument, never a global.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from stallfree.engine.attention.batch import DeviceBatch
+from stallfree.engine.attention.kv_cache import KVCache
+from stallfree.engine.model.llama import AttentionFn
+
+
+class AttentionBackend:
+    """Attention over the paged KV cache for one model shard (heads of this rank)."""
+
+    name: ClassVar[str]
+    # Whether decode iterations (and the layers between attentions) may be captured in CUDA graphs: the
+    # backend then implements `decode_fn` and `splits`, and `bind(..., store=False)`.
+    supports_graphs: ClassVar[bool] = False
+    # Whether the kernels compile on first use, so the runner runs a warm-up batch before serving.
+    compiles_kernels: ClassVar[bool] = False
+    # Whether the runner samples on the device in one batch (GpuSampler) rather than row by row.
+    samples_on_device: ClassVar[bool] = False
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    @property
+    def kernels(self) -> ModuleType | None:
+        """The module of fused elementwise ops the model runs its layers with (add_rmsnorm, rope_,
+        silu_and_mul, store_kv), or None for plain torch ops (the reference path)."""
+        return None
+
+    def build_metadata(self, batch: DeviceBatch, padded_decodes: int) -> Any:
+        """This backend's description of the iteration, derived from the common batch only.
+
+        padded_decodes: the decode count the graphs would pad to (kernels whose split counts must agree
+        between graphs and eager runs size themselves by it); equal to the decode count without graphs."""
+        raise NotImplementedError
+
+    def bind(self, meta: Any, store: bool = True) -> AttentionFn:
+        """The per-layer attention of this iteration. store=False when the caller already wrote the new
+        K/V (the piecewise CUDA graphs do it inside the graph)."""
+        raise NotImplementedError
+
+    def splits(self, padded_batch: int) -> int:
+        """Split-KV count of the decode kernel at this padded batch size (graph-capable backends)."""
+        return 1
+
+    def decode_fn(
+        self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int
+    ) -> AttentionFn:
+        """The attention of a decode-only batch over persistent buffers (what the CUDA graphs capture)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not run inside CUDA graphs")
