@@ -123,7 +123,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
-    attention_backend: str = "auto"  # auto, torch, triton, flashinfer (see engine.resolve_attention_backend)
+    attention_backend: str = "auto"  # auto, torch, cpu, triton, flashinfer (attention.registry)
     cuda_graphs: bool = True  # CUDA: replay decode iterations from graphs captured at start-up
     # CUDA: hybrid/prefill iterations up to this many tokens replay piecewise graphs (0 = always eager)
     max_graph_tokens: int = 1024

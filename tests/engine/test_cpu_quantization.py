@@ -10,6 +10,9 @@ chunk) moves them by ~26, so the comparison is still sharp in bf16. Greedy token
 tie: where the argmax differs, the reference's top two must be within ATOL of each other.
 """
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 from engine_helpers import first_logits_and_greedy, prompt_ids
@@ -99,13 +102,13 @@ def test_restarted_positions_are_caught_in_each_mode(mode_model, monkeypatch):
     quantization, loaded = mode_model
     ids = prompt_ids(loaded.tokenizer, 300)
     ref_logits, _ = _first(loaded, ids)
-    orig = runner_mod.flatten_batch
+    orig = runner_mod.host_batch
 
-    def restart(out, device):
-        tok, pos = orig(out, device)
-        starts = torch.cat([torch.full((c.num_tokens,), c.start) for c in out.chunks])
-        return tok, pos - starts
+    def restart(out, block_size):
+        hb = orig(out, block_size)
+        starts = np.concatenate([np.full(c.num_tokens, c.start) for c in out.chunks])
+        return replace(hb, positions=hb.positions - starts)
 
-    monkeypatch.setattr(runner_mod, "flatten_batch", restart)
+    monkeypatch.setattr(runner_mod, "host_batch", restart)
     logits, _ = _first(loaded, ids, token_budget=64)
     assert (logits - ref_logits).abs().max().item() > 10 * ATOL[quantization]
