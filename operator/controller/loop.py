@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Protocol
 
 from stallfree.costmodel.model import BUILTIN, CostModel
+from stallfree.operator.controller.cooldowns import all_pending, none_pending
 from stallfree.operator.controller.decide import decide, initial_settings, with_caps
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import (
@@ -73,7 +74,7 @@ class ControlLoop:
     clock: Callable[[], float] = time.time
     # A fresh loop waits out the cooldowns before its first change: a restarted controller does not jump
     # (adopt() drops them when it finds the spec's own settings in force).
-    state: State = field(default_factory=lambda: State(intervals_since_change=0, intervals_since_scale=0))
+    state: State = field(default_factory=lambda: all_pending(State()))
     holding: str | None = None  # why settings are held (missing data / failed apply); None when not
     apply_error: str | None = None  # the last apply's failure while it lasts (holding says so too)
     last_change: float = field(default=0.0)
@@ -147,9 +148,7 @@ class ControlLoop:
         # Compared on this spec's clusters only: an engine may report others.
         ours = replace(found, clusters={s.name: found.knobs(s.name) for s in self.specs})
         if self.last is None and with_caps(ours, self.specs, b) == self.initial:
-            fresh = State()
-            self.state = replace(self.state, intervals_since_change=fresh.intervals_since_change,
-                                 intervals_since_scale=fresh.intervals_since_scale)  # fmt: skip
+            self.state = none_pending(self.state)
         self.settings = found
 
     # ---- the status document (the CRD's .status, the same in local mode) -------------------------------
