@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from typing import Protocol
 
 from stallfree.costmodel.model import BUILTIN, CostModel
+from stallfree.operator.controller.applier import ApplyFailed
 from stallfree.operator.controller.cooldowns import all_pending, none_pending
 from stallfree.operator.controller.decide import decide, initial_settings, with_caps
 from stallfree.operator.controller.prometheus import MetricsUnavailable
@@ -36,11 +37,7 @@ class Source(Protocol):
     def snapshot(self, window_s: float, clusters: list[str]) -> Snapshot: ...
 
 
-class ApplyFailed(RuntimeError):
-    """Settings could not be applied to (some of) the engines."""
-
-
-Applier = Callable[[Settings], None]
+Applier = Callable[[Settings], None]  # applier.EngineApplier, or local mode's wrapper around one
 
 
 def _iso(t: float) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from controller_factories import make_config, make_snapshot, make_specs
 
-from stallfree.operator.controller.loop import ApplyFailed, ControlLoop
+from stallfree.operator.controller.applier import ApplyFailed
+from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import State
 

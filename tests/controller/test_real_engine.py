@@ -24,7 +24,8 @@ import pytest
 import yaml
 from promserver import PrometheusServer, available, free_port
 
-from stallfree.operator.controller.direct import AdminApplier, read_settings
+from stallfree.operator.controller.applier import EngineApplier, Target
+from stallfree.operator.controller.direct import read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import PrometheusSource
 from stallfree.operator.controller.types import HOLD, LOWER, RAISE, ClusterSpec, ControllerConfig, Knobs, Slo
@@ -169,7 +170,7 @@ def make_loop(prom: PrometheusServer, engine: Engine, chat_tbt_slo: float) -> Co
     loop = ControlLoop.start(
         specs, cfg, 1024, 1,
         source=PrometheusSource(prom.url, 'job="stallfree"', max_age_s=10),
-        apply=AdminApplier(lambda: [engine.base], TOKEN), window_s=12, min_window_s=4,
+        apply=EngineApplier(lambda: [Target(engine.base)], TOKEN), window_s=12, min_window_s=4,
     )  # fmt: skip
     loop.adopt(read_settings(engine.base, TOKEN, 1))
     return loop
