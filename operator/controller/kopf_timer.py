@@ -33,7 +33,7 @@ from stallfree.operator.controller.prometheus import PrometheusSource
 from stallfree.operator.controller.types import HOLD, Knobs, Settings
 from stallfree.operator.reconcile import OperatorConfig, Reconciler
 from stallfree.operator.spec import GROUP, PLURAL, VERSION, SarathiSpec, parse_spec
-from stallfree.operator.status import merge_conditions
+from stallfree.operator.status import controller_status, merge_conditions
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 5.0  # the kopf timer's period; each resource acts on its own spec.controller.intervalSeconds
@@ -174,7 +174,7 @@ def step_resource(
     slot.next_at = now + spec.controller.interval_seconds
     was_holding = slot.loop.holding is not None
     step = slot.loop.step()
-    doc = slot.loop.status()
+    doc = controller_status(slot.loop)
     doc["conditions"] = merge_conditions((body.get("status") or {}).get("conditions"), doc["conditions"])
     patch.status.update(doc)
     if step.action != HOLD:

@@ -23,6 +23,7 @@ from stallfree.operator.controller.direct import StatsSource, read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.metrics import ControllerMetrics
 from stallfree.operator.controller.types import Settings
+from stallfree.operator.status import controller_status
 
 log = logging.getLogger("stallfree.local")
 
@@ -99,7 +100,7 @@ class LocalRun:
 
     def status(self) -> dict:
         doc = (
-            self.loop.status()
+            controller_status(self.loop)
             if self.loop.last
             else {"budget": {"tokenBudget": self.loop.settings.token_budget}}
         )

@@ -9,6 +9,7 @@ from stallfree.operator.controller.applier import ApplyFailed
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import State
+from stallfree.operator.status import controller_status
 
 
 class Source:
@@ -33,7 +34,7 @@ class Applier:
 
 
 def conditions(loop: ControlLoop) -> dict[str, dict]:
-    return {c["type"]: c for c in loop.status()["conditions"]}
+    return {c["type"]: c for c in controller_status(loop)["conditions"]}
 
 
 def make_loop(**cfg):

@@ -29,6 +29,7 @@ from stallfree.operator.controller.direct import read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import PrometheusSource
 from stallfree.operator.controller.types import HOLD, LOWER, RAISE, ClusterSpec, ControllerConfig, Knobs, Slo
+from stallfree.operator.status import controller_status
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -233,7 +234,7 @@ def test_phase_shift_lowers_then_raises_budget(stack):
             (s.action, s.reason, s.snapshot and s.snapshot.cluster("chat").tbt_p99) for s in steps
         ] + [f"SLO {slo:.3f}s"]
         assert loop.settings.token_budget > tuned
-        status = loop.status()
+        status = controller_status(loop)
         assert status["budget"]["tokenBudget"] == loop.settings.token_budget
         assert {c["name"] for c in status["trafficClusters"]} == {"chat", "summarization"}
     finally:
@@ -252,7 +253,7 @@ def test_faults_prometheus_down_engine_restart_controller_restart(stack):
     try:
         step = loop.step()
         assert step.holding and step.action == HOLD and loop.settings == tuned
-        cond = {c["type"]: c for c in loop.status()["conditions"]}["MetricsAvailable"]
+        cond = {c["type"]: c for c in controller_status(loop)["conditions"]}["MetricsAvailable"]
         assert cond["status"] == "False" and "Prometheus" in cond["message"]
     finally:
         prom.start()
