@@ -88,7 +88,8 @@ class Engine:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise AssertionError("engine not ready")
+        self.stop()  # the fixture never gets to: no engine left running after a failed start
+        raise AssertionError(f"engine not ready after {timeout:g} s")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
