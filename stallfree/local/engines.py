@@ -23,6 +23,7 @@ import yaml
 
 from stallfree.operator.builders.config import engine_config
 from stallfree.operator.builders.meta import BuildContext, Owner, Tuned
+from stallfree.operator.controller.applier import Target
 from stallfree.operator.controller.types import Settings
 from stallfree.operator.spec import SarathiSpec
 
@@ -81,7 +82,6 @@ class EngineFleet:
     admin_token: str
     stats_window_s: float
     replicas: list[Replica] = field(default_factory=list)
-    on_restart: list = field(default_factory=list)  # callbacks(replica) after a replica came back
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def command(self, port: int) -> list[str]:
@@ -146,12 +146,14 @@ class EngineFleet:
                     r.ready = httpx.get(f"{r.base}/ready", timeout=2).status_code == 200
                 except httpx.HTTPError:
                     r.ready = False
-                if r.ready and r.restarts:
-                    for cb in self.on_restart:
-                        cb(r)
 
     def endpoints(self) -> list[str]:
         return [r.base for r in self.replicas if r.ready and r.alive()]
+
+    def targets(self) -> list[Target]:
+        """The ready replicas, for the controller's applier: a restarted replica is a new incarnation
+        (it read engine.yaml afresh), so it is sent the settings again."""
+        return [Target(r.base, key=f"{r.base}#{r.restarts}") for r in self.replicas if r.ready and r.alive()]
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         deadline = time.monotonic() + timeout_s
