@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     "the period between iteration ends (what a streaming client sees) or the step's own "
                     "wall time (default %(default)s)")  # fmt: skip
     ap.add_argument("--from-figures", metavar="ENGINE_JSON", default=None, help="fit a GPU cost model to "
-                    "the figures of one `stallfree engine-bench --device cuda` run (engine.json) instead of "
+                    "the figures of one `python -m experiments.engine_bench --device cuda` run (engine.json) instead of "
                     "profiling a grid (stallfree.bench.figuresfit)")  # fmt: skip
     ap.add_argument("--backend", default=None, help="with --from-figures: the backend row to fit "
                     "(default: the run's default backend)")  # fmt: skip

@@ -9,9 +9,9 @@ import json
 import random
 
 from costmodel_factories import make_cost_model
-from test_accuracy import fake_capacity_json
+from test_sim_accuracy import fake_capacity_json
 
-from stallfree.bench import accuracy_protocol
+from experiments import sim_accuracy_protocol as accuracy_protocol
 from stallfree.bench.servedfit import Shape
 from stallfree.costmodel.features import iteration_features
 

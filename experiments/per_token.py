@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from stallfree.engine.bench import _engine, decode_iterations
+    from experiments.engine_bench import _engine, decode_iterations
     from stallfree.engine.model.loader import load_model
     from stallfree.engine.paths import default_model_path
 

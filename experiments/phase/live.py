@@ -1,8 +1,8 @@
 """Adaptive budget vs every static budget on a phase-shifting workload, against a REAL local deployment.
 
-    stallfree phase-live --out DIR [--budgets 128,512,2048] [--phases ...] [--rounds N]
+    python -m experiments.phase.live --out DIR [--budgets 128,512,2048] [--phases ...] [--rounds N]
 
-The live counterpart of phase.experiment (the simulator). The workload is the same (its build_workload:
+The live counterpart of phase.sim (the simulator). The workload is the same (its build_workload:
 Poisson chat requests with ShareGPT lengths and summarization requests with arXiv lengths, CPU-scaled, at
 each phase's rates). Each run starts ONE deployment the product way, `stallfree up FILE` on the bundled
 model, from a generated SarathiDeployment file (kept in DIR/specs/), replays the workload over HTTP, and
@@ -20,21 +20,21 @@ chunkCap = the largest budget (a ceiling only; the caps follow the budget).
 
 Requests go out open loop at their arrival times through the load generator of `stallfree bench serve`
 (streamed completions of fixed length, one SSE chunk per token), each with its cluster's header. A request
-is good, exactly as in phase.experiment.meets, when it completed, its TTFT (first token - send) is within
+is good, exactly as in phase.sim.meets, when it completed, its TTFT (first token - send) is within
 its cluster's TTFT SLO and the P99 of its own inter-token gaps is within its TBT SLO; rejected (429),
 failed and timed-out requests are never good. Goodput = good requests per second of phase; the per-phase
 oracle takes the best static budget separately in each phase.
 
 During every run GET /admin/v1/status is polled (--interval / 2, at most 1 s apart); each new controller
 decision becomes one timeline point {t, budget, tbt_p99 per cluster (the controller's own windowed view)},
-and recovery after each phase change is counted in control intervals (phase.experiment.recovery_intervals).
+and recovery after each phase change is counted in control intervals (phase.sim.recovery_intervals).
 The same count is also taken from the gaps the client saw (`client_recovery_intervals`, every run).
 
 Writes to --out: results.json (rewritten after every run), phase_live.png, records-<run>.json (every
 request as the load generator saw it), specs/<run>.yaml and logs/<run>.log (`stallfree up`'s output).
 Prints a table. The load average before and after each run is recorded: keep the machine quiet.
 
-Each cluster's scheduling-delay SLO (P50) is set to its TTFT SLO, as in phase.experiment. A run takes the
+Each cluster's scheduling-delay SLO (P50) is set to its TTFT SLO, as in phase.sim. A run takes the
 deployment's start-up (model load), phases x --phase-seconds, and the tail of the last requests; they run
 one after another: static budgets in increasing order, then adaptive.
 
@@ -51,7 +51,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -65,11 +64,8 @@ import httpx
 import numpy as np
 import yaml
 
-from stallfree.bench.host import HostWatch
-from stallfree.bench.loadgen import fetch_model_id, run_workload
-from stallfree.bench.metrics import OK, OUTCOMES, RequestRecord
-from stallfree.bench.phase import rounds
-from stallfree.bench.phase.experiment import (
+from experiments.phase import rounds
+from experiments.phase.sim import (
     Rec,
     Req,
     build_workload,
@@ -80,9 +76,13 @@ from stallfree.bench.phase.experiment import (
     score,
     violation_episodes,
 )
+from stallfree.bench.host import HostWatch
+from stallfree.bench.loadgen import fetch_model_id, run_workload
+from stallfree.bench.metrics import OK, OUTCOMES, RequestRecord
 from stallfree.bench.traces import TraceRequest, Workload
 from stallfree.operator.controller.types import ClusterSpec, Slo
 from stallfree.operator.spec import API_VERSION, KIND
+from stallfree.ports import free_port
 
 MODEL = "SmolLM2-135M-Instruct"  # the bundled model: nothing to download
 
@@ -156,12 +156,6 @@ def validate_deployment(doc: dict) -> dict:
 
 
 # ---- one `stallfree up` process ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -282,11 +276,11 @@ async def replay(
     return records, poller
 
 
-# ---- scoring (phase.experiment's rule) -----------------------------------------------------------------
+# ---- scoring (phase.sim's rule) -----------------------------------------------------------------
 
 
 def to_recs(records: Sequence[RequestRecord], reqs: Sequence[Req]) -> list[Rec]:
-    """phase.experiment's per-request view of what the load generator saw: done = outcome ok (a rejected,
+    """phase.sim's per-request view of what the load generator saw: done = outcome ok (a rejected,
     failed or timed-out request is not), first token and every token's arrival time.
 
     NOTE: times are shifted back by the request's send lag (sent - due), so TTFT counts from when it really
@@ -310,7 +304,7 @@ def judge(
     step: float,
     window: float,
 ) -> dict:
-    """phase.experiment.score of one run, plus per-phase attainment, outcomes, send lag and client recovery."""
+    """phase.sim.score of one run, plus per-phase attainment, outcomes, send lag and client recovery."""
     recs = to_recs(records, reqs)
     sc = score(recs, specs, starts, phase_s)
     for p in sc["phases"]:
@@ -322,7 +316,7 @@ def judge(
     tl = client_timeline(recs, names, step, window)
     sc["client_recovery_intervals"] = recovery_intervals(tl, starts, specs, step)
     sc["client_timeline"] = tl
-    # As phase.experiment: each interval's own P99 (gaps that ended in it), without a window's memory.
+    # As phase.sim: each interval's own P99 (gaps that ended in it), without a window's memory.
     own = client_timeline(recs, names, step, step)
     sc["interval_recovery_intervals"] = recovery_intervals(own, starts, specs, step)
     sc["interval_violation_episodes"] = violation_episodes(own, specs, step)
@@ -367,7 +361,7 @@ def run_one(
 
 
 def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: float) -> dict:
-    """Best static, per-phase oracle and the adaptive run's ratios to both (as phase.experiment)."""
+    """Best static, per-phase oracle and the adaptive run's ratios to both (as phase.sim)."""
     static, ad = results["static"], results["adaptive"]
     best = max(budgets, key=lambda b: static[b]["goodput"])
     good = np.array([[p["good"] for p in static[b]["phases"]] for b in budgets])  # (budgets, phases)
@@ -389,14 +383,14 @@ def summarize(results: dict, budgets: Sequence[int], n_phases: int, phase_s: flo
         "interval_recovery_intervals": ad.get("interval_recovery_intervals"),
         "best_static_client_recovery_intervals": static[best]["client_recovery_intervals"],
         "best_static_interval_recovery_intervals": static[best].get("interval_recovery_intervals"),
-        # How long each violation lasted from its own start, wherever it fell (phase.experiment).
+        # How long each violation lasted from its own start, wherever it fell (phase.sim).
         "violation_episodes": ad.get("violation_episodes"),
         "interval_violation_episodes": ad.get("interval_violation_episodes"),
     }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stallfree phase-live", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.phase.live", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument(
         "--out", required=True, help="folder for results.json, phase_live.png, records, specs, logs"
@@ -570,9 +564,11 @@ def report_one(out: Path) -> dict:
     try:
         results = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise SystemExit(f"stallfree phase-live --report: cannot read {path}: {e}") from None
+        raise SystemExit(f"python -m experiments.phase.live --report: cannot read {path}: {e}") from None
     if not results.get("complete") or not results.get("adaptive"):
-        raise SystemExit(f"stallfree phase-live --report: {path} holds an unfinished run: nothing to report")
+        raise SystemExit(
+            f"python -m experiments.phase.live --report: {path} holds an unfinished run: nothing to report"
+        )
     results["static"] = {int(b): sc for b, sc in results["static"].items()}
     budgets = sorted(results["static"])
     c = results["config"]
@@ -580,7 +576,7 @@ def report_one(out: Path) -> dict:
     phases, specs = parse_phases(c["phases"]), cluster_specs(c)
     reqs, _ = build_workload(phase_s, phases, (c["chat_scale"], c["summ_scale"]), c["seed"])
     if len(reqs) != results["num_requests"]:
-        raise SystemExit(f"stallfree phase-live --report: the saved command line gives {len(reqs)} requests, "
+        raise SystemExit(f"python -m experiments.phase.live --report: the saved command line gives {len(reqs)} requests, "
                          f"the run had {results['num_requests']}")  # fmt: skip
     for name, sc in [
         *((f"static-{b}", results["static"][b]) for b in budgets),

@@ -1,11 +1,11 @@
 """The simulator-accuracy protocol of docs/benchmarks.md §6b over one measurement folder.
 
-    python -m stallfree.bench.accuracy_protocol OUT        (`scripts/sim-accuracy --evaluate OUT` runs it)
+    python -m experiments.sim_accuracy_protocol OUT        (`scripts/sim-accuracy --evaluate OUT` runs it)
 
 OUT holds what `scripts/sim-accuracy --measure` wrote: profile/ (a grid profile), calib-sharegpt/ (one run
 per server on the chat trace) and capacity-arxiv/ (a capacity search per server on the summarization trace),
 both with iteration logs. Every measured summarization run is simulated again (the real scheduler on a
-simulated clock, `bench accuracy`) with each of these cost models:
+simulated clock, `experiments.sim_accuracy`) with each of these cost models:
 
 - grid: the grid profile, the forward pass alone;
 - served, chat trace: fitted to the calibration runs' iterations only;
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.sim_accuracy import compare
 from stallfree.bench import servedfit
-from stallfree.bench.accuracy_cmd import compare
 from stallfree.bench.launcher import iteration_log_path as log_path
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.costmodel.fitted import FittedCostModel
@@ -180,7 +180,7 @@ def plot(res: dict, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m stallfree.bench.accuracy_protocol",
+        prog="python -m experiments.sim_accuracy_protocol",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,7 +5,7 @@ FlashInfer builds one module per (kind, dtype, head_dim) with nvcc on first use:
 while the Triton path is tested; a Dockerfile can run them at build time. The compiled modules land in
 FlashInfer's cache ($FLASHINFER_WORKSPACE_BASE), where the engine finds them.
 
-    python -m stallfree.bench.flashinfer_warm --kind decode --dtype bfloat16 --head-dim 128
+    python -m experiments.flashinfer_warm --kind decode --dtype bfloat16 --head-dim 128
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m stallfree.bench.flashinfer_warm",
+        prog="python -m experiments.flashinfer_warm",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

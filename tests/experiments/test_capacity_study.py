@@ -1,4 +1,4 @@
-"""The paper's protocol on the simulator (`stallfree capacity-study`), its SLO rule (`tune --tbt-slo-x`),
+"""The paper's protocol on the simulator (`python -m experiments.capacity_study`), its SLO rule (`tune --tbt-slo-x`),
 and the live check's dry run (`scripts/gpu-capacity --dry-run`: real CPU servers, the plumbing only)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from test_figuresfit import KNEE, TRUTH
 
-from stallfree.bench import capacity_study, live_check, tune
+from experiments import capacity_study, live_check
+from stallfree.bench import tune
 from stallfree.costmodel.fitted import FittedCostModel
 
 REPO = Path(__file__).resolve().parents[2]

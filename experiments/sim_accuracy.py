@@ -1,4 +1,6 @@
-"""`stallfree bench accuracy`: the simulator against a measured capacity run, run by run.
+"""The simulator against a measured capacity run, run by run.
+
+    python -m experiments.sim_accuracy CAPACITY.json --cost-model cost_model.json --out DIR
 
 Reads the capacity.json of a `stallfree bench capacity` run and simulates every measured run again (same
 trace, scale, requests, seed, arrivals, policy and budget) with a cost model: P99 TBT, P50 scheduling delay
@@ -94,12 +96,27 @@ def _pct(e: float | None) -> str:
     return "-" if e is None else f"{e:+.0%}"
 
 
-def main_accuracy(args: argparse.Namespace) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.sim_accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("capacity", help="capacity.json of a `stallfree bench capacity` run")
+    ap.add_argument("--cost-model", required=True, help="cost_model.json from `stallfree profile`")
+    ap.add_argument("--contention", type=float, default=1.0, help="multiply predicted iteration times")
+    ap.add_argument("--tolerance", type=float, default=0.05, help="simulated capacity search's bracket width")
+    ap.add_argument("--out", default="results/accuracy")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         capacity = json.loads(Path(args.capacity).read_text())
         cost = FittedCostModel.load(args.cost_model)
     except (OSError, ValueError) as e:
-        print(f"stallfree bench accuracy: {e}", file=sys.stderr)
+        print(f"experiments.sim_accuracy: {e}", file=sys.stderr)
         return 2
     res = compare(capacity, cost, args.contention, args.tolerance)
     rows = [
@@ -130,3 +147,7 @@ def main_accuracy(args: argparse.Namespace) -> int:
     path = write_json(Path(args.out), "accuracy.json", res)
     print(f"saved {path}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

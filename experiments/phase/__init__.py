@@ -2,7 +2,7 @@
 workload. They drive the controller's decision core (stallfree.operator.controller.decide) from outside;
 nothing here runs in a cluster.
 
-- `experiment`: `stallfree phase-sim`, the workload, the simulated replica, scoring and plots.
-- `live`: `stallfree phase-live`, the same on real `stallfree up` deployments.
+- `sim`: `python -m experiments.phase.sim`, the workload, the simulated replica, scoring and plots.
+- `live`: `python -m experiments.phase.live`, the same on real `stallfree up` deployments.
 - `rounds`: repeated live rounds in alternating order, medians of the ratios.
 """

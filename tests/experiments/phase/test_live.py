@@ -8,9 +8,9 @@ import json
 import pytest
 import yaml
 
+from experiments.phase import live as pl
+from experiments.phase.sim import Req
 from stallfree.bench.metrics import ERROR, OK, OUTCOMES, REJECTED, TIMEOUT, RequestRecord
-from stallfree.bench.phase import live as pl
-from stallfree.bench.phase.experiment import Req
 from stallfree.operator.controller.config import loop_inputs
 from stallfree.operator.controller.types import ClusterSpec, Slo
 
@@ -116,7 +116,7 @@ def test_the_status_timeline_keeps_one_point_per_decision():
 
 @pytest.mark.slow
 def test_rounds_alternate_their_order_and_report_medians_of_within_round_ratios():
-    from stallfree.bench.phase import rounds as phase_rounds
+    from experiments.phase import rounds as phase_rounds
 
     names = ["static-128", "static-512", "adaptive"]
     assert phase_rounds.run_order(names, 0) == names and phase_rounds.run_order(names, 1) == names[::-1]

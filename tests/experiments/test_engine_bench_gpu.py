@@ -13,7 +13,7 @@ from argparse import Namespace
 
 import pytest
 
-from stallfree.bench.engine_gpu import Plan, main
+from experiments.engine_bench_gpu import Plan, main
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-only harness check")
 

@@ -1,4 +1,4 @@
-"""`stallfree engine-bench`: the engine's own costs on this machine, as ratios measured side by side.
+"""`python -m experiments.engine_bench`: the engine's own costs on this machine, as ratios measured side by side.
 
   chunking   prefill time of one prompt under token budgets 128..2048, relative to one-shot prefill
   decode     time per decode iteration for batch sizes 1..64
@@ -7,7 +7,7 @@
 
 With --device cuda (and usually --load-format dummy --shape llama3-8b) it measures the GPU path instead:
 decode at batch 1/32/128, one-shot and chunked prefill of 4096 tokens, a hybrid iteration, kernel launches
-and host syncs per iteration, each beside its memory or compute floor (stallfree.bench.engine_gpu).
+and host syncs per iteration, each beside its memory or compute floor (experiments.engine_bench_gpu).
 
 Configurations are interleaved round-robin and repeated, and medians are reported, because this box is
 shared and noisy. Results: JSON + PNG plots in --out, and a table on the terminal.
@@ -217,7 +217,7 @@ def _table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="stallfree engine-bench",
+        prog="python -m experiments.engine_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--backends", default="triton,torch", help="cuda: attention backends to measure, in order")
     args = ap.parse_args(argv)
     if args.device == "cuda":
-        from stallfree.bench.engine_gpu import main as gpu_main  # noqa: PLC0415
+        from experiments.engine_bench_gpu import main as gpu_main  # noqa: PLC0415
 
         if args.out == "results/engine-bench":
             args.out = "results/gpu"

@@ -1,4 +1,4 @@
-"""`stallfree capacity-study`: the paper's capacity table (Sarathi-Serve, Table 3) from a cost model.
+"""`python -m experiments.capacity_study`: the paper's capacity table (Sarathi-Serve, Table 3) from a cost model.
 
 The whole protocol in one command, on the simulator (the real scheduler on the cost model's clock):
 
@@ -124,7 +124,7 @@ def replan(args, ents, slos: dict, blocks: int, cfg, cost: FittedCostModel) -> i
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        print(f"stallfree capacity-study: --replan needs {path}: {e}", file=sys.stderr)
+        print(f"python -m experiments.capacity_study: --replan needs {path}: {e}", file=sys.stderr)
         return 2
     doc["live_plan"] = _live_plan(args, doc["summary"], ents, slos, blocks, cfg, cost)
     write_json(Path(args.out), "capacity_study.json", doc)
@@ -200,7 +200,7 @@ def ratios(caps: dict, num: str, den: str, slo_key: str, seeds: list[int]) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="stallfree capacity-study",
+        prog="python -m experiments.capacity_study",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if not seeds or not ents:
             raise ValueError("need at least one seed and one policy")
     except ValueError as e:
-        print(f"stallfree capacity-study: {e}", file=sys.stderr)
+        print(f"python -m experiments.capacity_study: {e}", file=sys.stderr)
         return 2
     decode_it = slos["strict"] / args.strict_x
     print(f"reference decode iteration ({args.slo_decodes} decodes at {args.slo_context}): {decode_it * 1e3:.1f} ms; "

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from stallfree.bench.phase import experiment as pe
+from experiments.phase import sim as pe
 from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Slo
 

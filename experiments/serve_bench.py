@@ -1,4 +1,4 @@
-"""`stallfree serve-bench`: what the HTTP path costs on top of the engine.
+"""`python -m experiments.serve_bench`: what the HTTP path costs on top of the engine.
 
   throughput  the same batch (N prompts, fixed output lengths via ignore_eos) through offline
               `LLM.generate` and through `stallfree serve` (a real server process, N concurrent streaming
@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from stallfree.ports import free_port
 
 TEXT = (
     "Sarathi-Serve splits long prompts into chunks so that decodes keep flowing. Paged attention stores "
@@ -35,12 +36,6 @@ TEXT = (
 def _prompts(n: int, words: int) -> list[str]:
     base = (TEXT * (words // 20 + 2)).split()
     return [f"[{i}] " + " ".join(base[i % 7 : i % 7 + words]) for i in range(n)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(args, port: int) -> subprocess.Popen:
@@ -119,7 +114,7 @@ def _offline_run(llm, prompts: list[str], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="stallfree serve-bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m experiments.serve_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M)")
     ap.add_argument("--batch", type=int, default=32, help="prompts in the throughput batch")
@@ -146,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)  # fmt: skip
     prompts = _prompts(args.batch, args.prompt_words)
     single = _prompts(1, args.prompt_words)
-    port = _free_port()
+    port = free_port()
     proc = _start_server(args, port)
     url = f"http://127.0.0.1:{port}"
     runs: dict[str, list[dict]] = {

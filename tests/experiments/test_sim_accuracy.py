@@ -1,4 +1,4 @@
-"""`stallfree bench accuracy` on a capacity.json whose "measurements" are themselves simulator runs with the
+"""`python -m experiments.sim_accuracy` on a capacity.json whose "measurements" are themselves simulator runs with the
 same cost model: every prediction must then equal its measurement, and each predicted capacity must lie in
 its measured bracket. A second cost model twice as slow must show up as errors of the right sign."""
 
@@ -10,8 +10,7 @@ from types import SimpleNamespace
 from bench_factories import make_trace
 from costmodel_factories import make_cost_model
 
-from stallfree.bench import cli
-from stallfree.bench.accuracy_cmd import compare
+from experiments.sim_accuracy import compare, main
 from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import simulate_capacity
 from stallfree.bench.simulator import SimConfig
@@ -53,11 +52,11 @@ def test_command_writes_json_and_refuses_a_missing_file(tmp_path, capsys):
     (tmp_path / "cap.json").write_text(json.dumps(fake_capacity_json(tmp_path, cost), default=str))
     cost.save(tmp_path / "cm.json")
     out = tmp_path / "acc"
-    assert cli.main(["accuracy", str(tmp_path / "cap.json"), "--cost-model", str(tmp_path / "cm.json"),
+    assert main([str(tmp_path / "cap.json"), "--cost-model", str(tmp_path / "cm.json"),
                      "--out", str(out)]) == 0  # fmt: skip
     assert "within 20%" in capsys.readouterr().out
     assert json.loads((out / "accuracy.json").read_text())["runs"]
-    assert cli.main(["accuracy", str(tmp_path / "none.json"), "--cost-model", str(tmp_path / "cm.json")]) == 2
+    assert main([str(tmp_path / "none.json"), "--cost-model", str(tmp_path / "cm.json")]) == 2
     assert "none.json" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
 """Live validation of a simulated capacity study: real servers at QPS points bracketing the simulated capacity.
 
-Reads the live plan that `stallfree capacity-study` wrote (capacity_study.json: per server a policy, a
+Reads the live plan that `python -m experiments.capacity_study` wrote (capacity_study.json: per server a policy, a
 budget and two QPS points around its simulated capacity at the strict SLO), and for each server:
 starts `stallfree serve` (--device, --shape: random weights of a named shape), warms it up, replays the
 trace at each point (`stallfree bench serve`'s load generator: Poisson arrivals, outputs of the trace's
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from stallfree.bench.capacity_study import compact
+from experiments.capacity_study import compact
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, meets_capacity_slo, summarize
 from stallfree.bench.report import table, write_json
@@ -113,7 +113,7 @@ class _Run:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m stallfree.bench.live_check",
+        prog="python -m experiments.live_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

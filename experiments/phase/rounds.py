@@ -2,7 +2,7 @@
 
 One live run of each configuration takes minutes, and a shared two-core machine changes speed by tens of
 percent between minutes without any steal showing (docs/controller.md, session 7: the same static budget
-made 0.275 and 0.431 good requests/s in two runs). So `stallfree phase-live --rounds N` runs every
+made 0.275 and 0.431 good requests/s in two runs). So `python -m experiments.phase.live --rounds N` runs every
 configuration N times, forward in odd rounds and backward in even ones (a slow drift in the box's speed
 then weighs on every configuration alike over a pair of rounds), keeps each round a complete run of its
 own (OUT/round-K/, which `--report` can score again), and reports each round's ratios, measured side by

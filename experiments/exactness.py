@@ -1,4 +1,4 @@
-"""`stallfree exactness`: each CPU weight/activation mode against the fp32 model, on a fixed prompt set.
+"""`python -m experiments.exactness`: each CPU weight/activation mode against the fp32 model, on a fixed prompt set.
 
 For every mode (dtype:quantization) and each of the prompts (60 chat prompts built from fixed topics and
 instructions, through the model's chat template):
@@ -138,7 +138,7 @@ def compare(ref: dict, got: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="stallfree exactness",
+        prog="python -m experiments.exactness",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """Pipeline bubbles: iteration-time variance across micro-batches and pipeline idle share, per policy.
 
-    python -m stallfree.engine.parallel.bench --pp 2 --policies sarathi vllm --out docs/figures/pp_bubbles.json
+    python -m experiments.pp_bubbles --pp 2 --policies sarathi vllm --out docs/figures/pp_bubbles.json
 
 Replays requests from a trace (lengths scaled, default /8 for CPU) on one T x P engine, once per policy
 (the workers and KV cache are reused; only the scheduler changes). Offline: every request is submitted
@@ -33,7 +33,7 @@ SUMMARIZATION = "arxiv"  # arxiv_summarization_stats_llama2_tokenizer_filtered_v
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m stallfree.engine.parallel.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.pp_bubbles", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--trace", default=SUMMARIZATION, help="trace name or CSV path (default: summarization)")
     p.add_argument("--scale", type=float, default=0.125, help="length scale for CPU (default 1/8)")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": "python -m stallfree.engine.parallel.bench " + " ".join(argv or []),
+        "command": "python -m experiments.pp_bubbles " + " ".join(argv or []),
         "tp": args.tp, "pp": args.pp, "token_budget": args.token_budget, "max_num_seqs": args.max_num_seqs,
         "workload": work.describe(), "device": "cpu, one torch thread per rank, gloo", "results": results,
     }  # fmt: skip

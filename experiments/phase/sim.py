@@ -1,6 +1,6 @@
 """Adaptive budget vs every static budget on a phase-shifting workload, in the simulator.
 
-    stallfree phase-sim --cost-model cost_model.json --out DIR [--seeds 0,1,2,3,4]
+    python -m experiments.phase.sim --cost-model cost_model.json --out DIR [--seeds 0,1,2,3,4]
 
 The simulator (stallfree.bench) runs the REAL scheduler on a clock advanced by a profiled cost model. The
 workload shifts between phases given as chat (ShareGPT lengths) and summarization (arXiv lengths) arrival
@@ -334,7 +334,7 @@ def longest_episode(episodes: list[dict]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="stallfree phase-sim", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.phase.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--cost-model", required=True, help="cost_model.json from `stallfree profile`")
     p.add_argument("--out", required=True, help="folder for results.json and phase_shift.png")

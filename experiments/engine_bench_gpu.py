@@ -1,4 +1,4 @@
-"""`stallfree engine-bench --device cuda`: the engine's iteration costs on a GPU, each beside its floor.
+"""`python -m experiments.engine_bench --device cuda`: the engine's iteration costs on a GPU, each beside its floor.
 
   decode     one decode iteration at batch 1 / 32 / 128, context 1024 (CUDA graphs on the default backend)
   prefill    a 4096-token prompt in one iteration, and under token budgets 512 / 1024 / 2048 (chunked)
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stallfree.engine.bench import synthetic_ids
+from experiments.engine_bench import synthetic_ids
 from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulerTunables
 from stallfree.engine.engine import LLMEngine
 from stallfree.engine.model.loader import LoadedModel
@@ -300,7 +300,7 @@ def table(result: dict) -> str:
 
 
 def main(args, plan: Plan | None = None) -> int:
-    """Run from `stallfree engine-bench --device cuda` (stallfree.engine.bench parses the arguments).
+    """Run from `python -m experiments.engine_bench --device cuda` (experiments.engine_bench parses the arguments).
 
     A test passes a small `plan` with device "cpu" (Triton's interpreter) to check the harness itself."""
     from stallfree.engine.engine import resolve_dtype  # noqa: PLC0415
