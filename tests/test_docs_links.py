@@ -24,7 +24,7 @@ def expand_braces(path: str) -> list[str]:
     return ["".join(c) for c in itertools.product(*choices)]
 
 
-def resolves(page: Path, target: str, base: Path) -> bool:
+def resolves(target: str, base: Path) -> bool:
     path = target.split("#", 1)[0]
     if not path:
         return True  # an anchor in the same page
@@ -38,12 +38,12 @@ def broken(page: Path) -> list[str]:
     for target in LINK.findall(text):
         if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
             continue
-        if not resolves(page, target, page.parent):
+        if not resolves(target, page.parent):
             bad.append(f"link {target}")
     for quoted in FIGURE_PATH.findall(text):
         base = REPO if quoted.startswith("docs/") else page.parent
         for path in expand_braces(quoted.rstrip(".,")):
-            if not resolves(page, path, base):
+            if not resolves(path, base):
                 bad.append(f"path {quoted}")
     return bad
 
@@ -52,7 +52,9 @@ def test_the_checker_sees_links_and_paths(tmp_path: Path) -> None:
     (tmp_path / "figures").mkdir()
     (tmp_path / "figures" / "a_x.json").write_text("{}")
     page = tmp_path / "p.md"
-    page.write_text("![ok](figures/a_x.json) [web](https://example.org) `figures/a_{x,y}.json` [gone](nope.md)\n")
+    page.write_text(
+        "![ok](figures/a_x.json) [web](https://example.org) `figures/a_{x,y}.json` [gone](nope.md)\n"
+    )
     assert broken(page) == ["link nope.md", "path figures/a_{x,y}.json"]
 
 
