@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from stallfree.bench import profile
 from stallfree.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulerTunables
 from stallfree.engine.engine import LLMEngine
 from stallfree.engine.sampling_params import SamplingParams
@@ -46,8 +47,8 @@ def _engine(loaded, budget: int, policy: str = "sarathi", blocks: int = 2048) ->
 
 
 def synthetic_ids(engine: LLMEngine, n: int, salt: int = 0) -> list[int]:
-    vocab = engine.model_config.vocab_size
-    return [(1009 * (i + 1) + 7919 * salt) % (vocab - 300) + 100 for i in range(n)]
+    """The profiler's synthetic prompt ids for this engine's vocabulary."""
+    return profile.synthetic_ids(engine.model_config.vocab_size, n, salt)
 
 
 def prefill_time(engine: LLMEngine, n: int) -> tuple[float, float]:
