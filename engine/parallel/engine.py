@@ -22,11 +22,12 @@ from stallfree.engine.engine import LLMEngine, resolve_device, resolve_dtype
 from stallfree.engine.model.loader import LoadedModel, load_model
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.parallel.env import NodeContract, read_contract
-from stallfree.engine.parallel.executor import ParallelExecutor, WorkerFailedError, free_port, share_weights
+from stallfree.engine.parallel.executor import ParallelExecutor, WorkerFailedError, share_weights
 from stallfree.engine.parallel.layers import head_shard
 from stallfree.engine.parallel.stage import stage_layers
 from stallfree.engine.parallel.worker import WorkerInit
 from stallfree.engine.request import RequestStatus
+from stallfree.ports import free_port
 
 logger = logging.getLogger(__name__)
 

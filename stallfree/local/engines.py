@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,14 +25,9 @@ from stallfree.operator.builders.meta import BuildContext, Owner, Tuned
 from stallfree.operator.controller.applier import Target
 from stallfree.operator.controller.types import Settings
 from stallfree.operator.spec import SarathiSpec
+from stallfree.ports import free_port
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_engine_config(
