@@ -42,7 +42,7 @@ examples:
 """
 
 
-SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "tiny-hd128")  # stallfree.engine.model.dummy.SHAPES
+SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "qwen3-8b", "tiny-hd128")  # stallfree.engine.model.dummy.SHAPES
 
 
 def add_load_format_args(group) -> None:

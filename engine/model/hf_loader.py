@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from stallfree.engine.model.config import Llama3RopeScaling, LlamaConfig
 from stallfree.engine.model.llama import LlamaForCausalLM
+from stallfree.engine.model.safetensors_stream import load_streamed
 from stallfree.engine.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -137,17 +137,6 @@ def tokenizer_from_hf(folder: Path, config: LlamaConfig) -> Tokenizer:
     )
 
 
-def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors shard in `folder`, by name."""
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)")
-    weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(str(shard)))
-    return weights
-
-
 def load_hf_folder(
     folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[LlamaForCausalLM, Tokenizer, LlamaConfig]:
@@ -157,7 +146,6 @@ def load_hf_folder(
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
     config = config_from_hf(_read_json(folder / "config.json"))
     tokenizer = tokenizer_from_hf(folder, config)
-    weights = load_safetensors(folder)
-    model = LlamaForCausalLM.from_hf_state_dict(config, weights, dtype=dtype, device=device)
+    model = load_streamed(config, folder, dtype, device)
     logger.info("loaded %s: %d layers, %.1fM parameters", folder, config.num_layers, model.num_params() / 1e6)
     return model, tokenizer, config
