@@ -42,7 +42,8 @@ examples:
 """
 
 
-SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "qwen3-8b", "tiny-hd128")  # stallfree.engine.model.dummy.SHAPES
+# stallfree.engine.model.dummy.SHAPES, without importing torch (for --help)
+SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "qwen3-8b", "tiny-hd128")
 
 
 def add_load_format_args(group) -> None:
