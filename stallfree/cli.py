@@ -40,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "stallfree.engine.server.bench_http",
         "HTTP serving vs offline LLM.generate: throughput, added latency",
     ),
+    "load-bench": (
+        "stallfree.bench.load_rss",
+        "peak host RSS while streaming a sparse safetensors checkpoint of a named shape (e.g. 8B)",
+    ),
     "phase-sim": (
         "stallfree.bench.phase.experiment",
         "budget controller vs every static budget on a phase-shifting workload (simulator)",
