@@ -80,6 +80,21 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
+def resolve_max_model_len(requested: int | None, model_len: int) -> int:
+    """The context length to serve: `requested` (vLLM's --max-model-len) or, when None, the model's own.
+
+    Raises ValueError when it exceeds the model's (its RoPE tables and training stop there), as vLLM does.
+    """
+    if requested is None:
+        return model_len
+    if requested > model_len:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's context length {model_len} "
+            "(max_position_embeddings in its config): give at most that, or leave it unset"
+        )
+    return requested
+
+
 class LLMEngine:
     """Owns the scheduler, the model runner and the request table."""
 
@@ -101,9 +116,7 @@ class LLMEngine:
         mc = self.loaded.config
         self.model_config = mc
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
         self.num_kv_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(

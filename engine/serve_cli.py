@@ -42,7 +42,8 @@ examples:
 """
 
 
-SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "tiny-hd128")  # stallfree.engine.model.dummy.SHAPES
+# stallfree.engine.model.dummy.SHAPES, without importing torch (for --help)
+SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "qwen3-8b", "tiny-hd128")
 
 
 def add_load_format_args(group) -> None:
@@ -96,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "on GPU)")  # fmt: skip
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS "
                    "if set, else every core this process may use)")  # fmt: skip
-    m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    m.add_argument("--max-model-len", type=int, default=None, help="context length: prompt + max_tokens "
+                   "beyond it get 400 context_length_exceeded (default, and at most: the model's)")  # fmt: skip
+    m.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None, help="the name(s) clients "
+                   "send as `model`; the first is the one responses and metrics carry (default: the model "
+                   "folder's or file's name)")  # fmt: skip
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="auto: on CUDA the "
                    "Triton kernels in bf16/fp16 and torch in fp32; on the CPU the C++ kernels (cpu, built once "
@@ -216,6 +221,11 @@ def build_configs(args: argparse.Namespace):
         raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    names = tuple(args.served_model_name or ())
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name takes distinct non-empty names, got {list(names)}")
     model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
     if load_format == "auto" and model == DEFAULT_MODEL_NAME:
         model = None
@@ -271,6 +281,7 @@ def build_configs(args: argparse.Namespace):
         stats_window_s=args.stats_window,
         drain_timeout_s=args.drain_timeout,
         iteration_log=args.iteration_log,
+        served_model_names=names,
     )
     return engine_config, settings
 

@@ -40,16 +40,18 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def models(request: Request) -> dict:
     state = get_state(request)
     engine = state.ready_engine()
+    # Every served name, the first first (as vLLM lists its --served-model-name).
     return {
         "object": "list",
         "data": [
             {
-                "id": state.model_name,
+                "id": name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "stallfree",
                 "max_model_len": engine.engine.max_model_len,
             }
+            for name in state.model_names
         ],
     }
 

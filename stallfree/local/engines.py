@@ -85,6 +85,7 @@ class EngineFleet:
         cmd += ["--block-size", str(s.engine.block_size), "--dtype", s.model.dtype]
         cmd += ["--traffic-clusters", str(self.config_path)]  # the admin token goes by env (_spawn)
         cmd += ["--stats-window", str(self.stats_window_s), "--log-level", "warning"]
+        cmd += ["--served-model-name", s.model.name]  # clients send spec.model.name, as in the cluster
         if s.model.max_model_len:
             cmd += ["--max-model-len", str(s.model.max_model_len)]
         if s.model.source.type == "HostPath" and s.model.source.path:
