@@ -27,7 +27,7 @@ Once complete, the folder is marked and later runs return it at once, without a 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stallfree.engine.model.hub import default_download_dir
+    from stallfree.engine.hub import default_download_dir
 
     p = argparse.ArgumentParser(
         prog="stallfree download",
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.quiet:
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    from stallfree.engine.model.hub import HubError, default_download_dir, download, parse_hub_uri
+    from stallfree.engine.hub import HubError, default_download_dir, download, parse_hub_uri
 
     try:
         if args.max_workers < 1:

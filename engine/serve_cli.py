@@ -220,7 +220,7 @@ def build_configs(args: argparse.Namespace):
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
     if load_format == "auto" and model and model.startswith("hf://"):
-        from stallfree.engine.model.hub import resolve_model  # noqa: PLC0415
+        from stallfree.engine.hub import resolve_model  # noqa: PLC0415
 
         model = str(resolve_model(model, args.download_dir))
     if load_format == "auto" and model == DEFAULT_MODEL_NAME:

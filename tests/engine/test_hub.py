@@ -16,7 +16,7 @@ import pytest
 from fake_hub import FakeHub
 from model_fixtures import make_tiny_hf_model, save_hf_folder, train_tiny_tokenizer
 
-from stallfree.engine.model.hub import (
+from stallfree.engine.hub import (
     MARKER,
     HubError,
     HubRef,

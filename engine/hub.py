@@ -41,7 +41,8 @@ ALLOW_PATTERNS = (
 )
 # Permanent reasons: retrying cannot help until the spec or the secret changes.
 PERMANENT_REASONS = frozenset(
-    {"InvalidSource", "RepoNotFound", "GatedRepo", "Unauthorized", "RevisionNotFound"}
+    {"InvalidSource", "RepoNotFound", "GatedRepo", "Unauthorized", "RevisionNotFound", "NotAModel"}
+    | {"TokenSecretNotFound"}  # the operator's: the Secret model.source.tokenSecret names is missing
 )
 
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
