@@ -31,6 +31,10 @@ class FakeRepo:
     commit: str
     revisions: dict[str, str]  # branch/tag name -> commit
     token: str | None = None  # gated: requests must carry "Bearer <token>"
+    sizes: dict[str, int] = field(default_factory=dict)  # sizes the listings report instead of len(bytes)
+
+    def size(self, name: str) -> int:
+        return self.sizes.get(name, len(self.files[name]))
 
 
 @dataclass
@@ -49,15 +53,19 @@ class FakeHub:
         *,
         token: str | None = None,
         tags: tuple[str, ...] = (),
+        sizes: dict[str, int] | None = None,
     ) -> FakeRepo:
-        """Publish `files` (a dict, or every file of a folder) as repo_id at main (and at each tag)."""
+        """Publish `files` (a dict, or every file of a folder) as repo_id at main (and at each tag).
+        `sizes` makes the model info and tree listings report other sizes (a 140 GB checkpoint for sizing
+        tests without 140 GB of bytes); downloads still serve the bytes."""
         if isinstance(files, Path):
             files = {p.relative_to(files).as_posix(): p.read_bytes() for p in files.rglob("*") if p.is_file()}
         digest = hashlib.sha1()
         for name in sorted(files):
             digest.update(name.encode() + hashlib.sha1(files[name]).digest())
         commit = digest.hexdigest()
-        repo = FakeRepo(dict(files), commit, {"main": commit, **dict.fromkeys(tags, commit)}, token)
+        revisions = {"main": commit, **dict.fromkeys(tags, commit)}
+        repo = FakeRepo(dict(files), commit, revisions, token, dict(sizes or {}))
         self.repos[repo_id] = repo
         return repo
 
@@ -158,7 +166,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _info(self, repo_id: str, repo: FakeRepo, revision: str) -> None:
         commit = self._commit(repo, revision)
         if commit is not None:
-            siblings = [{"rfilename": n, "size": len(b)} for n, b in sorted(repo.files.items())]
+            siblings = [{"rfilename": n, "size": repo.size(n)} for n in sorted(repo.files)]
             self._json(
                 {"id": repo_id, "modelId": repo_id, "sha": commit, "siblings": siblings, "private": False}
             )
@@ -167,7 +175,7 @@ class _Handler(BaseHTTPRequestHandler):
         commit = self._commit(repo, revision)
         if commit is not None:
             entries = [
-                {"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                {"type": "file", "path": n, "size": repo.size(n), "oid": hashlib.sha1(b).hexdigest()}
                 for n, b in sorted(repo.files.items())
                 if n.startswith(prefix)
             ]
