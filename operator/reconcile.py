@@ -155,7 +155,11 @@ class Reconciler:
         pods = self.kube.list("v1", "Pod", ns, selector_string(owner))
         unschedulable, failing = _pod_problems(pods)
         port = spec.engine.port
-        extra = {"selector": selector_string(owner), "endpoint": f"http://{owner.name}.{ns}.svc:{port}/v1"}
+        extra = {
+            "selector": selector_string(owner),
+            "endpoint": f"http://{owner.name}.{ns}.svc:{port}/v1",
+            "tensorParallel": spec.parallelism.tensor,  # the TP column: sized values show too
+        }
         model = model_status(ctx)
         if model is not None:
             extra["model"] = model

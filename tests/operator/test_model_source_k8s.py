@@ -67,7 +67,9 @@ def test_hf_source_gets_download_init_container_cache_claim_and_sizing(
         model["kvBytesPerToken"] == 2 * 80 * 8 * 128 * 2
         and model["commit"] == hub.repos["acme/llama-70b"].commit
     )
-    assert "131.4Gi" in k8s.kubectl("get", "sarathi", "big", "-n", namespace).stdout  # the Size column
+    table = k8s.kubectl("get", "sarathi", "big", "-n", namespace).stdout.splitlines()
+    header, row = table[0].split(), table[1].split()
+    assert row[header.index("SIZE")] == "131.4Gi" and row[header.index("TP")] == "2"  # sized, from status
 
     dep = wait_until(lambda: k8s.get("deployment", "big", namespace), timeout=30, what="Deployment")
     pod = dep["spec"]["template"]["spec"]
@@ -161,3 +163,23 @@ def test_bad_sources_are_reported_in_conditions(
     degraded = condition(k8s, namespace, name, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", reason)
     assert (k8s.get("sarathideployment", name, namespace)["status"]["phase"]) == "Degraded"
+
+
+def test_pod_fields_the_api_server_refuses_are_reported(
+    k8s: K8sEnv, operator_all: OperatorProcess, namespace: str
+):
+    """The CRD checks pass-through fields' shape only down to the Kubernetes types it does not copy (an
+    affinity's insides): what the API server then refuses in the Deployment lands on the resource."""
+    terms = [{"matchExpressions": [{"key": "gpu", "operator": "Maybe"}]}]  # no such operator
+    bad = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+    body = {
+        "apiVersion": "serving.stallfree.dev/v1alpha1",
+        "kind": "SarathiDeployment",
+        "metadata": {"name": "odd-pod"},
+        "spec": {"model": {}, "pod": {"affinity": bad}},
+    }
+    k8s.apply(body, namespace)
+    cond = wait_until(lambda: condition(k8s, namespace, "odd-pod", "Degraded").get("reason") == "InvalidSpec"
+                      and condition(k8s, namespace, "odd-pod", "Degraded"), timeout=60, what="Degraded InvalidSpec")  # fmt: skip
+    assert "the API server refused a child" in cond["message"] and "Maybe" in cond["message"]
+    assert k8s.get("deployment", "odd-pod", namespace) is None
