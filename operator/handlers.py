@@ -42,7 +42,7 @@ def _invalid_spec_status(body: dict, message: str) -> dict:
 
 def _api_message(e: ApiException) -> str:
     try:
-        return str(json.loads(e.body)["message"])
+        return str(json.loads(e.body or "")["message"])
     except (TypeError, ValueError, KeyError):
         return f"{e.status} {e.reason}"
 

@@ -60,7 +60,10 @@ def model_volume(ctx: BuildContext) -> dict | None:
 def hub_env(ctx: BuildContext) -> list[dict]:
     """HF_TOKEN (from the spec's Secret), HF_ENDPOINT and HF_HOME for the download container."""
     source = ctx.spec.model.source
-    env = [{"name": "HF_HOME", "value": HF_HOME}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    env: list[dict] = [
+        {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
     endpoint = source.endpoint or ctx.hub_endpoint
     if endpoint:
         env.append({"name": "HF_ENDPOINT", "value": endpoint})
