@@ -9,7 +9,8 @@ pointing at it, as huggingface_hub calls them (read from its source):
   GET  /ORG/NAME/resolve/REV/FILE               the bytes; honours Range (resumed downloads)
 
 Failures answer the way the hub does, with the X-Error-Code header huggingface_hub maps to its exceptions:
-a missing repo (404 RepoNotFound), a gated repo without the right token (401 GatedRepo), a missing revision
+a missing repo (404 RepoNotFound), a gated repo's files without the right token (401 GatedRepo; its info and
+listing stay public, as on the hub), a missing revision
 (404 RevisionNotFound), a missing file (404 EntryNotFound). Every request is logged in `requests` so tests
 can check that a filled cache makes no call.
 """
@@ -30,7 +31,7 @@ class FakeRepo:
     files: dict[str, bytes]
     commit: str
     revisions: dict[str, str]  # branch/tag name -> commit
-    token: str | None = None  # gated: requests must carry "Bearer <token>"
+    token: str | None = None  # gated: file downloads must carry "Bearer <token>" (listings stay public)
     sizes: dict[str, int] = field(default_factory=dict)  # sizes the listings report instead of len(bytes)
 
     def size(self, name: str) -> int:
@@ -129,7 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in path.strip("/").split("/")]
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
-            repo = self._repo(repo_id)
+            repo = self._repo(repo_id, files=False)
             if repo is None:
                 return
             if not rest:
@@ -139,18 +140,19 @@ class _Handler(BaseHTTPRequestHandler):
             if rest[0] == "tree" and len(rest) >= 2:
                 return self._tree(repo, rest[1], "/".join(rest[2:]))
         elif len(parts) >= 5 and parts[2] == "resolve":
-            repo = self._repo(f"{parts[0]}/{parts[1]}")
+            repo = self._repo(f"{parts[0]}/{parts[1]}", files=True)
             if repo is None:
                 return
             return self._file(repo, parts[3], "/".join(parts[4:]))
         self._error(404, "NotFound", f"no route {path}")
 
-    def _repo(self, repo_id: str) -> FakeRepo | None:
+    def _repo(self, repo_id: str, files: bool) -> FakeRepo | None:
         repo = self.fake.repos.get(repo_id)
         if repo is None:
             self._error(404, "RepoNotFound", f"Repository not found: {repo_id}")
             return None
-        if repo.token is not None and self.headers.get("authorization") != f"Bearer {repo.token}":
+        # As on the hub, a gated repo's info and file list are public; its files need an accepted token.
+        if files and repo.token is not None and self.headers.get("authorization") != f"Bearer {repo.token}":
             self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access")
             return None
         return repo
