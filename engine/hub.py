@@ -19,6 +19,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 SCHEME = "hf://"
 DEFAULT_REVISION = "main"
 MARKER = ".stallfree-download.json"
-# What an engine reads: config, tokenizer, chat template, safetensors weights (no .bin/.pth/.gguf/onnx).
+INDEX = "model.safetensors.index.json"
+# What an engine reads besides its weights, at the repo's top level (no .bin/.pth/.gguf/onnx); the weights are
+# the shards the safetensors index names (see _plan).
 ALLOW_PATTERNS = (
     "config.json",
     "generation_config.json",
@@ -128,6 +131,41 @@ def cached_folder(ref: HubRef, download_dir: str | Path) -> Path | None:
     return folder if (folder / MARKER).is_file() else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The files to fetch at one commit: serving files at the repo's top level, and as weights the shards
+    the safetensors index names (or, without an index, the top-level *.safetensors). Copies in other layouts
+    (original/, a consolidated.safetensors beside the shards) are left on the hub."""
+
+    commit: str
+    files: tuple[str, ...]
+    weights: tuple[str, ...]
+    weight_bytes: int
+
+
+def _plan(ref: HubRef, token: str | None, endpoint: str | None, timeout: float, index_dir: Path) -> _Plan:
+    from huggingface_hub import HfApi, hf_hub_download  # noqa: PLC0415 - only needed when fetching
+
+    api = HfApi(endpoint=endpoint or None, token=token or None)
+    info = api.model_info(ref.repo_id, revision=ref.revision, files_metadata=True, timeout=timeout)
+    commit = str(info.sha)
+    sizes = {f.rfilename: f.size or 0 for f in info.siblings or []}
+    top = sorted(n for n in sizes if "/" not in n)
+    serving = [
+        n for n in top if not n.endswith(".safetensors") and any(fnmatch(n, p) for p in ALLOW_PATTERNS)
+    ]
+    if INDEX in sizes:
+        path = hf_hub_download(ref.repo_id, INDEX, revision=commit, local_dir=str(index_dir), token=token or None,
+                               endpoint=endpoint or None, etag_timeout=timeout)  # fmt: skip
+        weights = sorted(set(json.loads(Path(path).read_text())["weight_map"].values()))
+    else:
+        weights = [n for n in top if n.endswith(".safetensors")]
+    if "config.json" not in sizes or not weights or any(w not in sizes for w in weights):
+        raise HubError("NotAModel", f"{ref.uri} has no config.json or no safetensors weights at {commit} (only "
+                       "safetensors checkpoints are served)")  # fmt: skip
+    return _Plan(commit, tuple(serving + weights), tuple(weights), sum(sizes[w] for w in weights))
+
+
 def download(
     ref: HubRef,
     download_dir: str | Path,
@@ -135,6 +173,7 @@ def download(
     token: str | None = None,
     endpoint: str | None = None,
     max_workers: int = 8,
+    timeout: float = 30.0,
 ) -> Path:
     """The local folder of `ref`, downloading what is missing (resuming partial files). Once complete the
     folder is marked and later calls return it offline. Raises HubError."""
@@ -147,23 +186,19 @@ def download(
     folder = ref.local_dir(download_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        plan = _plan(ref, token, endpoint, timeout, folder)
+        log.info("%s: %d files at %s, %.1f GiB of weights", ref.uri, len(plan.files), plan.commit,
+                 plan.weight_bytes / 2**30)  # fmt: skip
         snapshot_download(
             ref.repo_id,
-            revision=ref.revision,
+            revision=plan.commit,  # the commit the plan was made at, even if the branch moves meanwhile
             local_dir=str(folder),
-            allow_patterns=list(ALLOW_PATTERNS),
+            allow_patterns=list(plan.files),
             token=token or None,
             endpoint=endpoint or None,
             max_workers=max_workers,
         )
-        weights = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not (folder / "config.json").is_file() or not weights:
-            raise HubError(
-                "NotAModel",
-                f"{ref.uri} has no config.json or no *.safetensors weights (only safetensors checkpoints "
-                "are served)",
-            )
-        marker = {"uri": ref.uri, "commit": _local_commit(folder), "weights": weights}
+        marker = {"uri": ref.uri, "commit": plan.commit, "files": list(plan.files)}
         tmp = folder / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker))
         tmp.replace(folder / MARKER)
@@ -175,47 +210,23 @@ def download(
     return folder
 
 
-def _local_commit(folder: Path) -> str | None:
-    """The commit huggingface_hub recorded for config.json (local_dir metadata), if any."""
-    meta = folder / ".cache" / "huggingface" / "download" / "config.json.metadata"
-    try:
-        return meta.read_text().splitlines()[0].strip() or None
-    except (OSError, IndexError):
-        return None
-
-
 def model_facts(
     ref: HubRef, *, token: str | None = None, endpoint: str | None = None, timeout: float = 10.0
 ) -> ModelFacts:
     """config.json and the weight bytes of `ref`, read from the hub (no weights fetched). Raises HubError."""
-    from huggingface_hub import HfApi, hf_hub_download  # noqa: PLC0415
+    from huggingface_hub import hf_hub_download  # noqa: PLC0415
 
     try:
-        api = HfApi(endpoint=endpoint or None, token=token or None)
-        info = api.model_info(ref.repo_id, revision=ref.revision, files_metadata=True, timeout=timeout)
-        siblings = info.siblings or []
-        weight_bytes = sum(s.size or 0 for s in siblings if s.rfilename.endswith(".safetensors"))
-        names = {s.rfilename for s in siblings}
-        if "config.json" not in names or weight_bytes == 0:
-            raise HubError(
-                "NotAModel", f"{ref.uri} has no config.json or no *.safetensors weights at {info.sha}"
-            )
         with tempfile.TemporaryDirectory(prefix="stallfree-hub-") as tmp:
-            path = hf_hub_download(
-                ref.repo_id,
-                "config.json",
-                revision=info.sha,
-                cache_dir=tmp,
-                token=token or None,
-                endpoint=endpoint or None,
-                etag_timeout=timeout,
-            )
+            plan = _plan(ref, token, endpoint, timeout, Path(tmp))
+            path = hf_hub_download(ref.repo_id, "config.json", revision=plan.commit, local_dir=tmp,
+                                   token=token or None, endpoint=endpoint or None, etag_timeout=timeout)  # fmt: skip
             config = json.loads(Path(path).read_text())
     except HubError:
         raise
     except Exception as e:  # noqa: BLE001 - mapped to a reason
         raise hub_error(e, ref) from e
-    return ModelFacts(commit=str(info.sha), config=config, weight_bytes=weight_bytes)
+    return ModelFacts(commit=plan.commit, config=config, weight_bytes=plan.weight_bytes)
 
 
 def hub_error(e: BaseException, ref: HubRef) -> HubError:

@@ -98,6 +98,36 @@ def test_download_fills_the_cache_with_serving_files_only_then_works_offline(hub
     assert len(hub.requests) == seen, "a complete cache must not touch the hub"
 
 
+def test_sharded_checkpoints_fetch_the_indexed_shards_only(tmp_path: Path):
+    """A repo with an index gets exactly the shards it names: a consolidated copy beside them and the
+    original/ folder stay on the hub (Mistral and Llama repos carry both)."""
+    shards = {f"model-0000{i}-of-00002.safetensors": bytes([i]) * (1000 * i) for i in (1, 2)}
+    index = {"metadata": {"total_size": 3000}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+             "b.weight": "model-00002-of-00002.safetensors", "c.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    files = {
+        "config.json": b'{"num_hidden_layers": 1}',
+        "tokenizer.json": b"{}",
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "consolidated.safetensors": b"x" * 3000,
+        "original/params.safetensors": b"y" * 10,
+        "README.md": b"# sharded",
+        **shards,
+    }
+    hub = FakeHub()
+    hub.add_repo("acme/sharded", files)
+    hub.start()
+    try:
+        folder = download(parse_hub_uri("hf://acme/sharded"), tmp_path, endpoint=hub.url)
+        facts = model_facts(parse_hub_uri("hf://acme/sharded"), endpoint=hub.url)
+    finally:
+        hub.stop()
+    got = sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts
+    )
+    assert got == sorted([MARKER, "config.json", "tokenizer.json", "model.safetensors.index.json", *shards])
+    assert facts.weight_bytes == 3000 and facts.config == {"num_hidden_layers": 1}
+
+
 def test_interrupted_file_resumes_where_it_stopped(tmp_path: Path):
     """A transfer cut after the first 10 MiB chunk (huggingface_hub writes in 10 MiB chunks) continues with
     a Range request from there instead of starting again."""
