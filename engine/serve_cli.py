@@ -87,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default: the "
-                   "bundled SmolLM2-135M-Instruct")  # fmt: skip
+    m.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or hf://ORG/NAME[@REV] "
+                   "(downloaded once, see `stallfree download`); default: the bundled SmolLM2-135M-Instruct")  # fmt: skip
+    m.add_argument("--download-dir", default=None, help="model cache for hf:// models (default "
+                   "~/.cache/stallfree/models or $STALLFREE_DOWNLOAD_DIR)")  # fmt: skip
     add_load_format_args(m)
     m.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/activations/KV dtype (auto: "
                    "bf16; on the CPU float32 is the exact reference, docs/engine.md)")  # fmt: skip
@@ -227,6 +229,10 @@ def build_configs(args: argparse.Namespace):
     if any(not n.strip() for n in names) or len(set(names)) != len(names):
         raise ValueError(f"--served-model-name takes distinct non-empty names, got {list(names)}")
     model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+    if load_format == "auto" and model and model.startswith("hf://"):
+        from stallfree.engine.hub import resolve_model  # noqa: PLC0415
+
+        model = str(resolve_model(model, args.download_dir))
     if load_format == "auto" and model == DEFAULT_MODEL_NAME:
         model = None
     if load_format == "auto" and model is not None and not Path(model).expanduser().exists():

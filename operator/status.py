@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stallfree.operator.controller.loop import ControlLoop
 
+from stallfree.operator.model_status import WAITING_REASONS
+
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
 
@@ -27,6 +29,7 @@ class Observed:
     unschedulable: tuple[str, ...] = ()  # scheduler messages of pods that cannot be placed
     failing: tuple[str, ...] = ()  # container problems (CrashLoopBackOff, ImagePullBackOff, ...)
     deadline_exceeded: str | None = None  # the Deployment's ProgressDeadlineExceeded message
+    model_ready: dict | None = None  # the ModelReady condition (stallfree.operator.model_status)
     extra: dict = field(default_factory=dict)  # e.g. endpoint, selector
 
 
@@ -44,11 +47,22 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int)
     }
 
 
+def _model_fault(o: Observed) -> dict | None:
+    """ModelReady when it says the model cannot be had (not merely: not yet)."""
+    m = o.model_ready
+    return m if m and m["status"] == "False" and m["reason"] not in WAITING_REASONS else None
+
+
 def conditions_for(o: Observed) -> list[dict]:
-    """Ready, Progressing and Degraded for one observation (lastTransitionTime is added by merge)."""
+    """Ready, Progressing, Degraded and ModelReady for one observation (lastTransitionTime is added by
+    merge)."""
     g = o.generation
     problems = [*o.unschedulable, *o.failing] + ([o.deadline_exceeded] if o.deadline_exceeded else [])
-    if o.unschedulable:
+    model_fault = _model_fault(o)
+    if model_fault:
+        problems.insert(0, model_fault["message"])
+        degraded = _condition(DEGRADED, True, model_fault["reason"], model_fault["message"], g)
+    elif o.unschedulable:
         degraded = _condition(
             DEGRADED, True, "Unschedulable", "engine pods cannot be scheduled: " + o.unschedulable[0], g
         )
@@ -75,7 +89,7 @@ def conditions_for(o: Observed) -> list[dict]:
         ready = _condition(READY, True, "AllReplicasReady", f"{o.ready}/{o.desired} replicas ready", g)
     else:
         ready = _condition(READY, False, "ReplicasNotReady", f"{o.ready}/{o.desired} replicas ready", g)
-    return [ready, progressing, degraded]
+    return [ready, progressing, degraded] + ([o.model_ready] if o.model_ready else [])
 
 
 def merge_conditions(old: list[dict] | None, new: list[dict], now: str | None = None) -> list[dict]:

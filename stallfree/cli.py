@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stallfree.engine.generate_cli", "offline generation with the engine (vLLM-style LLM)"),
     "serve": ("stallfree.engine.serve_cli", "OpenAI-compatible server with stall-free batching"),
+    "download": ("stallfree.engine.download_cli", "fetch a model from the Hugging Face Hub (hf://ORG/NAME)"),
     "up": ("stallfree.local", "run a SarathiDeployment on this machine (local mode)"),
     "operator": ("stallfree.operator.cli", "the Kubernetes operator (kopf)"),
     "bench": ("stallfree.bench.cli", "load generator, capacity search and sweeps (serve, capacity, sweep)"),

@@ -90,6 +90,8 @@ class EngineFleet:
             cmd += ["--max-model-len", str(s.model.max_model_len)]
         if s.model.source.type == "HostPath" and s.model.source.path:
             cmd += ["--model", s.model.source.path]
+        elif s.model.source.type == "HuggingFace" and s.model.source.uri:
+            cmd += ["--model", s.model.source.uri]  # serve downloads it once into the local model cache
         return cmd
 
     def _spawn(self, r: Replica) -> None:

@@ -247,3 +247,22 @@ def test_an_engine_token_starting_with_a_dash_reaches_the_engine(monkeypatch):
     finally:
         run.fleet.stop()
         shutil.rmtree(run.run_dir, ignore_errors=True)
+
+
+def test_a_hub_source_reaches_serve_as_its_uri():
+    """Local mode hands an hf:// source to `stallfree serve`, which downloads it once into the local model
+    cache (engine/hub.py); the served name and length limit come from the spec as in a cluster."""
+    import shutil
+
+    import stallfree.local.run as run_mod
+    from stallfree.local import build_parser
+
+    example = REPO / "examples" / "llama-3.1-8b-hf.yaml"
+    run = run_mod.LocalRun(load(example), build_parser().parse_args([str(example)]), None)
+    try:
+        cmd = run.fleet.command(free_port())
+        assert cmd[cmd.index("--model") + 1] == "hf://meta-llama/Llama-3.1-8B-Instruct@main"
+        assert cmd[cmd.index("--max-model-len") + 1] == "8192"
+    finally:
+        run.fleet.stop()
+        shutil.rmtree(run.run_dir, ignore_errors=True)
