@@ -19,7 +19,6 @@ from fake_hub import FakeHub
 from model_fixtures import make_tiny_hf_model, save_hf_folder, train_tiny_tokenizer
 from test_builders import make_ctx
 
-from stallfree.engine.serve_cli import build_parser as serve_parser
 from stallfree.operator.builders import build_children, render_engine_config
 from stallfree.operator.builders.meta import CONFIG_DIR, CONFIG_KEY, MODELS_DIR
 from stallfree.operator.builders.model import TERMINATION_LOG
@@ -96,10 +95,6 @@ def test_init_container_fills_the_cache_and_the_engine_serves_it(tmp_path: Path)
         port = free_port()
         argv[argv.index("--port") + 1] = str(port)
         argv[argv.index("--host") + 1] = "127.0.0.1"
-        served_flag = "--served-model-name" in serve_parser().format_help()
-        if not served_flag:  # the engine half of issue 29 adds it; until then serve under the folder's name
-            i = argv.index("--served-model-name")
-            del argv[i : i + 2]
         argv += ["--num-kv-blocks", "64", "--log-level", "warning"]
         proc = subprocess.Popen(argv, env=_env(engine, root, term), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -117,11 +112,9 @@ def test_init_container_fills_the_cache_and_the_engine_serves_it(tmp_path: Path)
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         ids = [m.id for m in client.models.list().data]
-        name = MODEL_NAME if served_flag else ids[0]
-        if served_flag:
-            assert ids == [MODEL_NAME]
+        assert ids == [MODEL_NAME]  # spec.model.name, through --served-model-name
         reply = client.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
         )
         assert reply.choices[0].message.content is not None
         assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens > 1
