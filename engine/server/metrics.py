@@ -131,8 +131,9 @@ class PrometheusMetrics(EngineObserver):
             self.iterations.labels(kind)
         for reason in VLLM_FINISH_REASONS:
             self.v_success.labels(model_name, reason)
-        for metric in (self.v_prompt_tokens, self.v_gen_tokens, self.v_preemptions):
-            metric.labels(model_name)
+        for metric in (self.v_prompt_tokens, self.v_gen_tokens, self.v_preemptions, self.v_ttft, self.v_itl,
+                       *self._v_request_histograms):  # fmt: skip
+            metric.labels(model_name)  # series at zero before the first request
         for metric in (self.v_waiting, self.v_running, self.v_kv):
             metric.labels(model_name).set(0)
 
@@ -160,6 +161,9 @@ class PrometheusMetrics(EngineObserver):
                               buckets=tokens, registry=r)  # fmt: skip
         self.v_iter_tokens = h("vllm:iteration_tokens_total", "Tokens per engine iteration.", m,
                                buckets=VLLM_ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self._v_request_histograms = (self.v_e2e, self.v_queue, self.v_prefill, self.v_decode, self.v_inference,
+                                      self.v_tpot, self.v_req_prompt, self.v_req_gen, self.v_max_tokens,
+                                      self.v_iter_tokens)  # fmt: skip
         self.v_prompt_tokens = c("vllm:prompt_tokens", "Prompt tokens, counted on arrival.", m, registry=r)
         self.v_gen_tokens = c("vllm:generation_tokens", "Generated tokens.", m, registry=r)
         self.v_preemptions = c("vllm:num_preemptions", "Preemptions (recompute).", m, registry=r)
