@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "stallfree.bench.per_token",
         "CPU decode ms per token of each mode beside llama.cpp's (same GGUF, same threads)",
     ),
+    "sampler-bench": (
+        "stallfree.bench.sampler_cmd",
+        "what penalties and logit_bias cost the sampler, beside plain batches",
+    ),
     "serve-bench": (
         "stallfree.engine.server.bench_http",
         "HTTP serving vs offline LLM.generate: throughput, added latency",

@@ -80,11 +80,14 @@ def test_killing_the_replica_mid_stream_ends_every_stream_with_an_error(tmp_path
         victim.send_signal(signal.SIGKILL)
         for t in threads:
             t.join(timeout=120)
-        for i, got in enumerate(results):
-            assert isinstance(got, APIError), f"stream {i} ended without an error: {got!r}"
-            # the proxy's error event, not a dropped connection
-            assert not isinstance(got, APIConnectionError), got
-            assert "incomplete" in str(got) or "before it was complete" in str(got), got
+        outcomes = [type(got).__name__ + ": " + str(got)[:200] for got in results]
+        # every stream raised the proxy's error event: not a dropped connection, not a short answer
+        assert all(
+            isinstance(got, APIError) and not isinstance(got, APIConnectionError) for got in results
+        ), outcomes
+        assert all("incomplete" in str(got) or "before it was complete" in str(got) for got in results), (
+            outcomes
+        )
         # the replica comes back and serves again
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

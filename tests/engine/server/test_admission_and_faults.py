@@ -52,6 +52,25 @@ def test_overload_gets_429_with_retry_after_and_loses_nothing(tiny):
     assert _post(tiny.url, body).status_code == 200
 
 
+def test_n_choices_are_admitted_together_or_refused_together(tiny):
+    """maxWaiting 2: n=3 can never wait there (400 naming n); with one request running and one waiting, an
+    n=2 request does not fit and gets 429, and nothing of it runs."""
+    too_many = _post(tiny.url, {"prompt": "Hi", "max_tokens": 1, "n": 3})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    long = {"prompt": "Count slowly:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    arrivals = tiny.metric("stallfree_request_arrivals_total", traffic_cluster="default")
+    with ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(_post, tiny.url, long) for _ in range(2)]
+        wait_for(lambda: tiny.metric("stallfree_request_arrivals_total", traffic_cluster="default")
+                 >= arrivals + 2)  # fmt: skip
+        pair = _post(tiny.url, {**long, "n": 2})
+        assert all(f.result().status_code == 200 for f in busy)
+    assert pair.status_code == 429, pair.text
+    assert tiny.metric("stallfree_request_arrivals_total", traffic_cluster="default") == arrivals + 2
+    both = _post(tiny.url, {**long, "max_tokens": 3, "n": 2})  # the queue drained: both choices run
+    assert both.status_code == 200 and len(both.json()["choices"]) == 2
+
+
 def _idle(server) -> bool:
     return (
         server.metric("stallfree_kv_cache_usage_ratio") == 0.0

@@ -173,3 +173,16 @@ def test_repetition_penalty_pushes_prompt_tokens_down(client, token_ids, encode)
     for a in fresh:  # unpenalised pairs keep their gap
         for b in fresh:
             assert rep[a] - rep[b] == pytest.approx(plain[a] - plain[b], abs=2e-3)
+
+
+def test_n_counts_against_the_clusters_queue_bound(client):
+    """The chat cluster admits at most 64 waiting: n=65 could never be admitted, so it is a 400 naming n."""
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=None, prompt="Hi", max_tokens=1, n=65,
+                                  extra_headers={"x-traffic-cluster": "chat"})  # fmt: skip
+    assert e.value.body["param"] == "n" and "maxWaiting" in e.value.body["message"]
+    ok = client.completions.create(model=None, prompt="Hi", max_tokens=1, n=64,
+                                   extra_headers={"x-traffic-cluster": "chat"})  # fmt: skip
+    assert len(ok.choices) == 64
