@@ -4,7 +4,7 @@ One batch of `--batch` rows over a `--vocab`-wide vocabulary is sampled `--reps`
 case the same logits: no row with penalties (the baseline), one row, a quarter of the rows, every row (with
 presence, frequency and repetition penalties and a 4-token logit_bias). Greedy and random (temperature 0.8)
 batches, on the CPU sampler and, when CUDA is there, the GPU sampler. Each row's history grows by one token
-per call, as in a decode. Prints the median (and P10-P90) milliseconds per call and the ratio to the
+per call, as in a decode. The cases run interleaved, call by call, so load drift hits them alike. Prints the median (and P10-P90) milliseconds per call and the ratio to the
 baseline; saves sampler.json under --out.
 """
 
@@ -32,42 +32,55 @@ def _params(penalised: bool, temperature: float, max_tokens: int) -> SamplingPar
                           logit_bias={1: 2.0, 2: -3.0, 3: 1.0, 4: -100.0})  # fmt: skip
 
 
-def time_case(sampler_cls, device: torch.device, batch: int, vocab: int, n_pen: int, temperature: float,
-              reps: int) -> list[float]:  # fmt: skip
-    """Milliseconds per `sample` call, one per rep (after 3 warm-up calls)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(batch, vocab, generator=gen).to(device)
-    prompt = tuple(range(5, 260))
-    sampler = sampler_cls(frozenset(), seed=0, device=device)
-    params = [_params(i < n_pen, temperature, reps + 8) for i in range(batch)]
-    times = []
-    for step in range(reps + 3):
-        reqs = [SampleRequest(f"r{i}", p, step, prompt if step == 0 else ()) for i, p in enumerate(params)]
-        x = logits.clone()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+class Case:
+    """One (device, temperature, penalised rows) case: its own sampler and requests, the same logits."""
+
+    def __init__(
+        self, device: torch.device, logits: torch.Tensor, n_pen: int, temperature: float, steps: int
+    ):
+        cls = GpuSampler if device.type == "cuda" else Sampler
+        self.name = cls.__name__
+        self.device, self.logits, self.n_pen, self.temperature = device, logits, n_pen, temperature
+        self.sampler = cls(frozenset(), seed=0, device=device)
+        self.params = [_params(i < n_pen, temperature, steps + 8) for i in range(logits.shape[0])]
+        self.step = 0
+        self.ms: list[float] = []
+
+    def call(self, timed: bool) -> None:
+        prompt = tuple(range(5, 260)) if self.step == 0 else ()
+        reqs = [SampleRequest(f"r{i}", p, self.step, prompt) for i, p in enumerate(self.params)]
+        x = self.logits.clone()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        sampler.sample(x, reqs)  # returns host values: its own synchronisation
-        if step >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+        self.sampler.sample(x, reqs)  # returns host values: its own synchronisation
+        if timed:
+            self.ms.append((time.perf_counter() - t0) * 1e3)
+        self.step += 1
 
 
 def run(batch: int, vocab: int, reps: int, devices: list[str]) -> list[dict]:
-    rows = []
-    for dev in devices:
-        device = torch.device(dev)
-        cls = GpuSampler if device.type == "cuda" else Sampler
-        for temperature in (0.0, 0.8):
-            base = None
-            for n_pen in sorted({0, 1, max(1, batch // 4), batch}):
-                ms = time_case(cls, device, batch, vocab, n_pen, temperature, reps)
-                med = statistics.median(ms)
-                base = med if n_pen == 0 else base
-                q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [med] * 9
-                rows.append({"device": dev, "sampler": cls.__name__, "temperature": temperature,
-                             "batch": batch, "vocab": vocab, "penalised_rows": n_pen, "median_ms": med,
-                             "p10_ms": q[0], "p90_ms": q[-1], "ratio": med / base})  # fmt: skip
+    """Every case, interleaved call by call (load drift on a shared machine hits them alike)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=gen)
+    cases = [
+        Case(torch.device(dev), logits.to(dev), n_pen, temperature, reps + 3)
+        for dev in devices
+        for temperature in (0.0, 0.8)
+        for n_pen in sorted({0, 1, max(1, batch // 4), batch})
+    ]
+    for rep in range(reps + 3):
+        for c in cases:
+            c.call(timed=rep >= 3)  # 3 warm-up calls
+    rows, base = [], {}
+    for c in cases:
+        med = statistics.median(c.ms)
+        key = (str(c.device), c.temperature)
+        base.setdefault(key, med)  # n_pen 0 comes first
+        q = statistics.quantiles(c.ms, n=10) if len(c.ms) > 1 else [med] * 9
+        rows.append({"device": str(c.device), "sampler": c.name, "temperature": c.temperature,
+                     "batch": batch, "vocab": vocab, "penalised_rows": c.n_pen, "median_ms": med,
+                     "p10_ms": q[0], "p90_ms": q[-1], "ratio": med / base[key]})  # fmt: skip
     return rows
 
 

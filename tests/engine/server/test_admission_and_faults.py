@@ -130,6 +130,39 @@ def test_forward_failure_becomes_500_and_an_sse_error_event(fresh, monkeypatch):
     assert _post(fresh.url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200, "the server should recover"
 
 
+def test_a_fault_while_streaming_ends_the_stream_with_an_error_event(server, monkeypatch):
+    """The server's own fault mid-stream (here: building a chunk raises): the openai SDK raises APIError with
+    the message, the request is aborted, and the server serves on."""
+    from openai import APIConnectionError, APIError, OpenAI
+
+    from stallfree.engine.server.responses import ResponseBuilder
+
+    calls = 0
+    real = ResponseBuilder.delta_chunk
+
+    def flaky(self, out, index=0):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("simulated chunk fault")
+        return real(self, out, index)
+
+    monkeypatch.setattr(ResponseBuilder, "delta_chunk", flaky)
+    aborted = server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    text = ""
+    with pytest.raises(APIError) as e:
+        for chunk in client.completions.create(model=None, prompt="Count:", max_tokens=50, stream=True,
+                                               extra_body={"ignore_eos": True}):  # fmt: skip
+            text += chunk.choices[0].text
+    assert not isinstance(e.value, APIConnectionError)
+    assert "simulated chunk fault" in str(e.value) and text
+    assert wait_for(lambda: server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+                    == aborted + 1)  # fmt: skip
+    monkeypatch.undo()
+    assert _post(server.url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
 def test_dead_engine_loop_fails_requests_and_turns_unready(fresh, monkeypatch):
     def broken():
         raise RuntimeError("scheduler bug")
