@@ -41,7 +41,6 @@ class GpuSampler(Sampler):
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
             tokens = self._sample_random(logits, reqs, random_rows, tokens)
-        self.penalties.record(reqs, tokens)
         k = max((r.params.logprobs or 0) for r in reqs)
         need_lp = any(r.params.logprobs is not None for r in reqs)
         parts = [tokens.double()[:, None]]
@@ -52,7 +51,9 @@ class GpuSampler(Sampler):
                 vals, ids = torch.topk(logprobs, k, dim=-1)  # (N, k)
                 parts += [ids.double(), vals.double()]
         host = torch.cat(parts, dim=1).cpu()  # NOTE: the iteration's one synchronisation
-        return [self._result(row, r, k, need_lp) for row, r in zip(host.tolist(), reqs, strict=True)]
+        results = [self._result(row, r, k, need_lp) for row, r in zip(host.tolist(), reqs, strict=True)]
+        self.penalties.record(reqs, [res.token_id for res in results])
+        return results
 
     @staticmethod
     def _result(vals: list[float], req: SampleRequest, k: int, need_lp: bool) -> SampleResult:

@@ -1,18 +1,23 @@
 """Logit processors that depend on the request, shared by the CPU and GPU samplers: logit_bias and the
 presence / frequency / repetition penalties, as vLLM and OpenAI define them.
 
-Batched tensor ops only (no Python loop over the vocabulary). The output history of each penalised request
-lives in one device buffer of per-request slots, `counts` (S, V), updated in place with each sampled token
-(one scatter-add per iteration, no host synchronisation); the prompt's tokens, needed by the repetition
-penalty, are set once in `prompt` (S, V) from the scheduler's first chunk that samples. Rows of requests
-without these fields are never touched: their logits, and so greedy outputs, stay bit-identical.
+A penalty only changes the logits of tokens the request has seen (its prompt, for the repetition penalty,
+and its output), so the work is sparse: per penalised request the sampler keeps, on the host, the distinct
+token ids seen so far and how often each was generated (numpy arrays that grow by one entry per new
+token). Each iteration gathers the logits of all (row, seen token) pairs of the batch in one flat index,
+penalises them with a few elementwise kernels and scatters them back: O(tokens seen), not O(vocabulary),
+no Python loop over tokens, no host synchronisation (the index goes up with the batch's other small
+copies). Rows of requests without these fields are never touched: their logits, and so greedy outputs,
+stay bit-identical.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -20,21 +25,37 @@ if TYPE_CHECKING:
 
 
 def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
+    x: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, rep: torch.Tensor
 ) -> torch.Tensor:
-    """logits (R, V) float32; counts (R, V) how often each token was generated; prompt_mask (R, V) bool;
-    presence, frequency, repetition (R,). Returns the penalised logits (R, V), as vLLM computes them:
-    the repetition penalty first (on tokens of the prompt or the output), then frequency and presence."""
-    generated = counts > 0
-    rep = repetition[:, None]
-    scaled = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(prompt_mask | generated, scaled, logits)
-    return logits - frequency[:, None] * counts - presence[:, None] * generated
+    """Penalise the logits x (N,) float32 of N (row, seen token) pairs, as vLLM does: the repetition penalty
+    first (every seen token: positive logits divided, negative ones multiplied), then frequency * count
+    and presence for generated tokens. counts (N,) float32: times generated (0: only in the prompt);
+    presence, frequency, rep (N,): each pair's row's parameters."""
+    x = torch.where(x > 0, x / rep, x * rep)
+    return x - frequency * counts - presence * (counts > 0)
+
+
+@dataclass(slots=True)
+class _History:
+    """One penalised request's distinct seen tokens (ids[:n]) and how often each was generated."""
+
+    ids: np.ndarray = field(default_factory=lambda: np.empty(64, dtype=np.int64))
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.float32))
+    n: int = 0
+    where: dict[int, int] = field(default_factory=dict)  # token id -> index into ids
+    recorded: int = 0  # output tokens recorded (checked against the scheduler's count)
+
+    def add(self, token: int, generated: bool) -> None:
+        i = self.where.get(token)
+        if i is None:
+            if self.n == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+                self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            i = self.where[token] = self.n
+            self.ids[i] = token
+            self.n += 1
+        if generated:
+            self.counts[i] += 1
 
 
 class PenaltyState:
@@ -42,17 +63,10 @@ class PenaltyState:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._slot: dict[str, int] = {}  # request id -> row of `counts` / `prompt`
-        self._recorded: dict[str, int] = {}  # request id -> tokens recorded (checked against the scheduler)
-        self._free: list[int] = []
-        self.counts: torch.Tensor | None = None  # (S, V) float32: output token counts
-        self.prompt: torch.Tensor | None = None  # (S, V) bool: the prompt's tokens
+        self._history: dict[str, _History] = {}
 
     def release(self, request_id: str) -> None:
-        slot = self._slot.pop(request_id, None)
-        self._recorded.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
+        self._history.pop(request_id, None)
 
     def apply(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> torch.Tensor:
         """logits (N, V) float32, one row per request; biased and penalised in place where asked."""
@@ -60,44 +74,37 @@ class PenaltyState:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         if not rows:
             return logits
-        slots = [self._slot_of(reqs[i], logits.shape[1]) for i in rows]
-        assert self.counts is not None and self.prompt is not None  # noqa: S101 - _slot_of allocated them
-        host = torch.tensor(
+        hists = [self._history_of(reqs[i]) for i in rows]
+        lengths = np.array([h.n for h in hists], dtype=np.int64)
+        if not lengths.sum():
+            return logits  # nothing seen yet (first token, no repetition penalty)
+        params = np.array(
+            [[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
+              reqs[i].params.repetition_penalty] for i in rows],
+            dtype=np.float32,
+        )  # fmt: skip
+        host = np.concatenate(
             [
-                [p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
-                for p in (reqs[i].params for i in rows)
+                np.repeat(np.array(rows, dtype=np.int64), lengths)[:, None].astype(np.float64),
+                np.concatenate([h.ids[: h.n] for h in hists])[:, None].astype(np.float64),
+                np.concatenate([h.counts[: h.n] for h in hists])[:, None],
+                np.repeat(params, lengths, axis=0),
             ],
-            dtype=torch.float32,
-        )
-        presence, frequency, repetition = to_device(host, self.device).unbind(1)
-        rows_t, slots_t = (
-            to_device(torch.tensor(rows), self.device),
-            to_device(torch.tensor(slots), self.device),
-        )
-        out = apply_penalties(
-            logits.index_select(0, rows_t),
-            self.counts.index_select(0, slots_t),
-            self.prompt.index_select(0, slots_t),
-            presence,
-            frequency,
-            repetition,
-        )
-        return logits.index_copy_(0, rows_t, out)
+            axis=1,
+        )  # (N, 6): row, token, count, presence, frequency, repetition; ids < 2**53 are exact in float64
+        dev = to_device(torch.from_numpy(host), self.device)
+        r, t = dev[:, 0].long(), dev[:, 1].long()
+        counts, presence, frequency, rep = dev[:, 2:].float().unbind(1)
+        logits.index_put_((r, t), apply_penalties(logits[r, t], counts, presence, frequency, rep))
+        return logits
 
-    def record(self, reqs: Sequence[SampleRequest], tokens: torch.Tensor) -> None:
-        """tokens (N,) int64 on the device: the sampled tokens, added to the penalised requests' counts."""
-        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
-        if not rows or self.counts is None:
-            return
-        slots = [self._slot[reqs[i].request_id] for i in rows]
-        for i in rows:
-            self._recorded[reqs[i].request_id] += 1
-        rows_t, slots_t = (
-            to_device(torch.tensor(rows), self.device),
-            to_device(torch.tensor(slots), self.device),
-        )
-        ones = torch.ones(len(rows), dtype=self.counts.dtype, device=self.device)
-        self.counts.index_put_((slots_t, tokens.index_select(0, rows_t)), ones, accumulate=True)
+    def record(self, reqs: Sequence[SampleRequest], tokens: Sequence[int]) -> None:
+        """The sampled tokens (host ints, one per row): added to the penalised requests' histories."""
+        for r, tok in zip(reqs, tokens, strict=True):
+            if r.params.has_penalties:
+                h = self._history[r.request_id]
+                h.add(tok, generated=True)
+                h.recorded += 1
 
     def _bias(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> None:
         rows, cols, vals = [], [], []
@@ -112,41 +119,26 @@ class PenaltyState:
         bias = to_device(torch.tensor(vals, dtype=torch.float32), self.device)
         logits.index_put_((idx[0], idx[1]), bias, accumulate=True)
 
-    def _slot_of(self, req: SampleRequest, vocab: int) -> int:
+    def _history_of(self, req: SampleRequest) -> _History:
         rid = req.request_id
-        slot = self._slot.get(rid)
-        if slot is not None:
-            if self._recorded[rid] != req.num_output_tokens:
+        h = self._history.get(rid)
+        if h is not None:
+            if h.recorded != req.num_output_tokens:
                 raise RuntimeError(
-                    f"penalty history of {rid} holds {self._recorded[rid]} tokens but the request has "
+                    f"penalty history of {rid} holds {h.recorded} tokens but the request has "
                     f"{req.num_output_tokens} outputs"
                 )
-            return slot
+            return h
         if req.num_output_tokens:
             raise RuntimeError(f"{rid} has {req.num_output_tokens} outputs but no penalty history")
-        slot = self._free.pop() if self._free else self._grow(vocab)
-        assert self.counts is not None and self.prompt is not None  # noqa: S101 - _grow allocated them
-        self.counts[slot].zero_()
-        self.prompt[slot].zero_()
+        h = self._history[rid] = _History()
         if req.prompt_token_ids:
-            ids = to_device(torch.tensor(req.prompt_token_ids, dtype=torch.int64), self.device)
-            self.prompt[slot].index_fill_(0, ids, True)
-        self._slot[rid] = slot
-        self._recorded[rid] = 0
-        return slot
-
-    def _grow(self, vocab: int) -> int:
-        """Double the buffers; returns the first new slot (the others go to the free list)."""
-        old = 0 if self.counts is None else self.counts.shape[0]
-        new = max(8, 2 * old)
-        counts = torch.zeros(new, vocab, dtype=torch.float32, device=self.device)
-        prompt = torch.zeros(new, vocab, dtype=torch.bool, device=self.device)
-        if self.counts is not None and self.prompt is not None:
-            counts[:old] = self.counts
-            prompt[:old] = self.prompt
-        self.counts, self.prompt = counts, prompt
-        self._free.extend(range(new - 1, old, -1))
-        return old
+            ids = np.unique(np.asarray(req.prompt_token_ids, dtype=np.int64))
+            size = max(64, 2 * len(ids))
+            h.ids, h.counts, h.n = np.empty(size, dtype=np.int64), np.zeros(size, dtype=np.float32), len(ids)
+            h.ids[: h.n] = ids
+            h.where = dict(zip(ids.tolist(), range(h.n), strict=True))
+        return h
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

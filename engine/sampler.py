@@ -87,8 +87,8 @@ class Sampler:
         for i, r in enumerate(reqs):
             if not r.params.greedy:
                 tokens[i] = self._sample_row(logits[i], r.params, self._generator(r))
-        self.penalties.record(reqs, tokens)
         token_list = tokens.tolist()
+        self.penalties.record(reqs, token_list)
         results = []
         for i, r in enumerate(reqs):
             tok = token_list[i]

@@ -160,12 +160,28 @@ def test_history_out_of_step_with_the_scheduler_is_an_error():
         s.sample(torch.randn(1, V), [SampleRequest("r", p, 3)])
 
 
-def test_slots_are_reused_after_release():
+def test_released_requests_leave_no_history():
     s = Sampler(frozenset())
-    p = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=1.0)
+    p = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=1.0, repetition_penalty=1.2)
     rng = random.Random(0)
+    kept = set()
     for i in range(40):
-        s.sample(torch.randn(1, V), [SampleRequest(f"r{i}", p, 0)])
+        s.sample(torch.randn(1, V), [SampleRequest(f"r{i}", p, 0, (1, 2, 3))])
         if rng.random() < 0.8:
             s.release(f"r{i}")
-    assert s.penalties.counts is not None and s.penalties.counts.shape[0] <= 16
+        else:
+            kept.add(f"r{i}")
+    assert set(s.penalties._history) == kept
+
+
+def test_long_histories_grow_and_stay_exact():
+    """A history longer than its first allocation (64 distinct tokens) keeps every count."""
+    s = Sampler(frozenset())
+    p = SamplingParams(max_tokens=200, temperature=0.0, frequency_penalty=0.01)
+    toks = []
+    for step in range(150):
+        row = torch.full((1, V * 4), -1e3)
+        row[0, (step * 7) % (V * 4)] = 1e3  # forced, each new
+        toks.append(s.sample(row, [SampleRequest("r", p, step)])[0].token_id)
+    h = s.penalties._history["r"]
+    assert h.n == len(set(toks)) and h.counts[: h.n].sum() == 150
