@@ -50,7 +50,8 @@ VLLM_FINISH_REASONS = ("stop", "length", "abort")  # vllm:request_success_total'
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:
@@ -131,11 +132,12 @@ class PrometheusMetrics(EngineObserver):
             self.iterations.labels(kind)
         for reason in VLLM_FINISH_REASONS:
             self.v_success.labels(model_name, reason)
-        for metric in (self.v_prompt_tokens, self.v_gen_tokens, self.v_preemptions, self.v_ttft, self.v_itl,
-                       *self._v_request_histograms):  # fmt: skip
-            metric.labels(model_name)  # series at zero before the first request
-        for metric in (self.v_waiting, self.v_running, self.v_kv):
-            metric.labels(model_name).set(0)
+        for counter in (self.v_prompt_tokens, self.v_gen_tokens, self.v_preemptions):
+            counter.labels(model_name)  # series at zero before the first request
+        for hist in (self.v_ttft, self.v_itl, *self._v_request_histograms):
+            hist.labels(model_name)
+        for gauge in (self.v_waiting, self.v_running, self.v_kv):
+            gauge.labels(model_name).set(0)
 
     def _vllm_request_metrics(self, m: tuple[str, ...]) -> None:
         r, h, c = self.registry, Histogram, Counter
