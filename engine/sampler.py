@@ -1,6 +1,7 @@
 """Turn the last logits of each sampled request into a token (and its log-probabilities).
 
-Greedy rows take the argmax in one vectorised call. Other rows are processed one by one with their own
+logit_bias and the presence / frequency / repetition penalties are batched tensor ops over the rows that
+ask for them (stallfree.engine.penalties). Greedy rows take the argmax in one vectorised call. Other rows are processed one by one with their own
 `torch.Generator`: a seeded request draws the same tokens whatever else shares its batches.
 """
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stallfree.engine.penalties import PenaltyState
 from stallfree.engine.sampling_params import SamplingParams
 
 
@@ -27,6 +29,12 @@ class SampleRequest:
     request_id: str
     params: SamplingParams
     num_output_tokens: int
+    prompt_token_ids: tuple[int, ...] = ()  # only with the first sample of a repetition-penalised request
+
+    @classmethod
+    def of(cls, chunk) -> SampleRequest:
+        """From a scheduler.ScheduledChunk that samples."""
+        return cls(chunk.request_id, chunk.sampling_params, chunk.num_output_tokens, chunk.penalty_prompt)
 
 
 class Sampler:
@@ -38,9 +46,11 @@ class Sampler:
         self._device = device or torch.device("cpu")
         self._default = torch.Generator(device=self._device)
         self._default.manual_seed(seed)
+        self.penalties = PenaltyState(self._device)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.penalties.release(request_id)
 
     def _generator(self, req: SampleRequest) -> torch.Generator:
         if req.params.seed is None:
@@ -69,6 +79,7 @@ class Sampler:
             banned = self._suppressed(r)
             if banned:
                 logits[i, banned] = float("-inf")
+        logits = self.penalties.apply(logits, reqs)
         need_lp = any(r.params.logprobs is not None for r in reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None  # (N, V)
         # Greedy for every row; sampled rows are replaced below. max(dim) is ~3x faster than argmax on CPU.
@@ -77,6 +88,7 @@ class Sampler:
             if not r.params.greedy:
                 tokens[i] = self._sample_row(logits[i], r.params, self._generator(r))
         token_list = tokens.tolist()
+        self.penalties.record(reqs, token_list)
         results = []
         for i, r in enumerate(reqs):
             tok = token_list[i]
@@ -95,6 +107,8 @@ class Sampler:
     def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
         # row: (V,) float32 logits
         row = row / p.temperature
+        if p.min_p > 0:
+            row = row.masked_fill(min_p_mask(row[None], torch.tensor([p.min_p]))[0], float("-inf"))
         if p.top_k > 0:
             kth = torch.topk(row, min(p.top_k, row.shape[0])).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -109,3 +123,10 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, and takes a generator.
         noise = torch.empty_like(probs).exponential_(generator=gen)
         return int(torch.argmax(probs / noise))
+
+
+def min_p_mask(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """x (R, V) temperature-scaled logits, min_p (R,): True where a token's probability is below min_p
+    times the best token's, i.e. x < max(x) + log(min_p) (min_p 0 masks nothing)."""
+    floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p.to(x.device))[:, None]
+    return x < floor

@@ -61,13 +61,13 @@ async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
-    body.check_unsupported()
+    body.check_unsupported(engine.engine.model_config.vocab_size)
     prompt = body.single_prompt()
     tok = engine.engine.tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = _max_tokens(engine, len(ids), body.max_tokens, "prompt")
     params = body.sampling_params(max_tokens, body.logprobs)
-    return await _serve(state, engine, request, "completion", ids, params, body.include_usage, body.stream)
+    return await _serve(state, engine, request, "completion", ids, params, body)
 
 
 @router.post("/v1/chat/completions")
@@ -75,7 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
-    body.check_unsupported()
+    body.check_unsupported(engine.engine.model_config.vocab_size)
     tok = engine.engine.tokenizer
     try:
         ids = tok.encode_chat(body.conversation(), add_generation_prompt=body.add_generation_prompt)
@@ -83,7 +83,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise BadRequest(str(e), param="messages") from e
     max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), "messages")
     params = body.sampling_params(max_tokens, body.num_logprobs())
-    return await _serve(state, engine, request, "chat", ids, params, body.include_usage, body.stream)
+    return await _serve(state, engine, request, "chat", ids, params, body)
 
 
 def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param: str) -> int:
@@ -105,7 +105,7 @@ def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param
     return requested
 
 
-async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, include_usage, stream):
+async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, body):
     header = request.headers.get(TRAFFIC_HEADER)
     cluster = engine.traffic.classify(header, len(ids))
     if cluster is None:
@@ -124,38 +124,50 @@ async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, p
     waiting = engine.waiting(cluster)
     rate = state.window.admission_rate(cluster)
     hint = min(MAX_RETRY_AFTER_S, (waiting + 1) / rate) if rate > 0 else 1.0
-    rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint)
-    builder = ResponseBuilder(kind, request_id, state.model_name, engine.engine.tokenizer, include_usage)
-    if stream:
+    rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint, n=body.n)
+    builder = ResponseBuilder(
+        kind,
+        request_id,
+        state.model_name,
+        engine.engine.tokenizer,
+        body.include_usage,
+        n=body.n,
+        continuous_usage=body.continuous_usage,
+        num_prompt_tokens=len(ids),
+    )
+    if body.stream:
         release = _releaser(engine, rs)
         # NOTE: if the client leaves before the body starts, the generator never runs and its finally never
         # fires; the background task runs after the response either way, so the request is still aborted.
         return StreamingResponse(
-            _stream(rs, builder, include_usage, release),
+            _stream(rs, builder, body.include_usage, release),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(release),
         )
     try:
-        out = await _collect(engine, rs, request)
+        outs = await _collect(engine, rs, request)
     finally:
         engine.request_done()
-    if out is None:  # the client went away; nobody reads this
+    if outs is None:  # the client went away; nobody reads this
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    if out.finish_reason == "error":
-        raise EngineError(out.error or "the engine failed this request")
-    return JSONResponse(builder.full(out))
+    failed = next((o for o in outs if o.finish_reason == "error"), None)
+    if failed is not None:
+        raise EngineError(failed.error or "the engine failed this request")
+    return JSONResponse(builder.full(outs))
 
 
-async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> RequestOutput | None:
-    """The final output, or None (and the request aborted) when the client disconnects first."""
+async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> list[RequestOutput] | None:
+    """Each choice's final output, or None (and the request aborted) when the client disconnects first."""
 
-    async def last() -> RequestOutput:
-        final = None
+    async def last() -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
         async for out in rs:
-            final = out
-        assert final is not None  # noqa: S101 - a stream always ends with a finished output
-        return final
+            if out.finished:
+                final[out.request_id] = out
+                if out.finish_reason == "error":  # no point waiting for the other choices
+                    break
+        return [final[c] for c in rs.children if c in final]
 
     task = asyncio.ensure_future(last())
     try:
@@ -170,7 +182,7 @@ async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> 
         if not task.done():
             task.cancel()
         if not rs.finished:
-            engine.abort(rs.request_id)
+            engine.abort_stream(rs)
 
 
 def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[None]]:
@@ -183,8 +195,8 @@ def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[
             return
         released = True
         if not rs.finished:
-            logger.info("stream of %s ended early (client gone); aborting it", rs.request_id)
-            engine.abort(rs.request_id)
+            logger.info("stream of %s ended early; aborting what still runs", rs.request_id)
+            engine.abort_stream(rs)
         engine.request_done()
 
     return release
@@ -193,20 +205,31 @@ def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[
 async def _stream(
     rs: RequestStream, builder: ResponseBuilder, include_usage: bool, release: Callable[[], Awaitable[None]]
 ) -> AsyncIterator[str]:
+    """SSE chunks of every choice, interleaved as they come, each with its index; then usage and [DONE].
+
+    NOTE: a stream never ends silently: when the engine fails the request, or building a chunk raises, the
+    client gets an error event in the OpenAI shape (the openai SDK raises APIError on it), then [DONE]."""
     try:
-        first = builder.first_chunk()
-        if first is not None:
-            yield first
-        async for out in rs:
-            if out.finish_reason == "error":
-                err = EngineError(out.error or "the engine failed this request")
-                yield sse(err.body())
-                break
-            chunk = builder.delta_chunk(out)
-            if chunk is not None:
+        try:
+            for chunk in builder.first_chunks():
                 yield chunk
-            if out.finished and include_usage:
-                yield builder.usage_chunk(out)
+            final: dict[str, RequestOutput] = {}
+            async for out in rs:
+                if out.finish_reason == "error":
+                    err = EngineError(out.error or "the engine failed this request")
+                    yield sse(err.body())
+                    break
+                chunk = builder.delta_chunk(out, rs.index(out.request_id))
+                if chunk is not None:
+                    yield chunk
+                if out.finished:
+                    final[out.request_id] = out
+            else:
+                if include_usage:
+                    yield builder.usage_chunk([final[c] for c in rs.children])
+        except Exception as e:  # noqa: BLE001 - the client must hear about it, not see a short answer
+            logger.exception("stream of %s failed", rs.request_id)
+            yield sse(EngineError(f"the server failed while streaming: {type(e).__name__}: {e}").body())
         yield SSE_DONE
     finally:
         await release()
