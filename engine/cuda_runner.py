@@ -143,7 +143,9 @@ class CudaModelRunner:
         t0 = time.perf_counter()
         hb = host_batch(out, self.block_size)
         reqs = [
-            SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens)
+            SampleRequest(
+                c.request_id, c.sampling_params, c.num_output_tokens, out.allowed_tokens.get(c.request_id)
+            )
             for c in out.chunks
             if c.sample
         ]

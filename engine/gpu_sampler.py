@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from stallfree.engine.sampler import Sampler, SampleRequest, SampleResult
+from stallfree.engine.sampler import Sampler, SampleRequest, SampleResult, mask_disallowed
 
 
 class GpuSampler(Sampler):
@@ -35,6 +35,7 @@ class GpuSampler(Sampler):
             logits = logits.index_put(
                 (idx[0], idx[1]), torch.full((len(ban_rows),), float("-inf"), device=dev)
             )
+        mask_disallowed(logits, reqs)
         tokens = torch.argmax(logits, dim=-1)  # (N,) greedy for every row; random rows replaced below
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:

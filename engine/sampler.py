@@ -7,7 +7,9 @@ Greedy rows take the argmax in one vectorised call. Other rows are processed one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from stallfree.engine.sampling_params import SamplingParams
@@ -20,6 +22,14 @@ class SampleResult:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the `logprobs` most likely tokens, best first
 
 
+class AllowedTokens(Protocol):
+    """A row's token mask (structured outputs): which tokens the grammar allows next."""
+
+    def bitmask(self) -> torch.Tensor:
+        """(ceil(V / 32),) int32 on the CPU: bit t % 32 of word t // 32 set = token t allowed."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class SampleRequest:
     """What the sampler needs about one row."""
@@ -27,6 +37,34 @@ class SampleRequest:
     request_id: str
     params: SamplingParams
     num_output_tokens: int
+    allowed_tokens: AllowedTokens | None = None  # structured outputs: only these tokens may be sampled
+
+
+def mask_disallowed(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
+    """Set the logits of tokens outside each constrained row's mask to -inf (in place); logits (N, V).
+
+    NOTE: rows without a mask are not touched, so unconstrained outputs are bit-identical with or without
+    constrained neighbours. On CUDA the bitmask is unpacked on the device, copied without a sync.
+    """
+    rows = [i for i, r in enumerate(reqs) if r.allowed_tokens is not None]
+    if not rows:
+        return logits
+    words = torch.stack([reqs[i].allowed_tokens.bitmask() for i in rows])  # type: ignore[union-attr]
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu":
+        # numpy, one row at a time: cheaper than torch's threaded kernels for this little work
+        banned = np.unpackbits(~words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        values = logits.numpy()
+        for j, i in enumerate(rows):
+            np.copyto(values[i], -np.inf, where=banned[j].view(np.bool_))
+        return logits
+    dev = logits.device
+    words = words.pin_memory().to(dev, non_blocking=True)
+    index = torch.tensor(rows, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # (R, V)
+    logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 class Sampler:
@@ -69,6 +107,7 @@ class Sampler:
             banned = self._suppressed(r)
             if banned:
                 logits[i, banned] = float("-inf")
+        mask_disallowed(logits, reqs)
         need_lp = any(r.params.logprobs is not None for r in reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None  # (N, V)
         # Greedy for every row; sampled rows are replaced below. max(dim) is ~3x faster than argmax on CPU.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stallfree.engine.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -17,6 +19,8 @@ class SamplingParams:
     `stop_token_ids` and the model's EOS end it after the token (the token is kept in `token_ids`,
     dropped from `text`). `logprobs=k` returns the top-k log-probabilities of every generated token
     (plus the chosen token's). `min_tokens` suppresses stop tokens until that many were generated.
+    `structured_outputs` constrains the text to a JSON schema, regex, choice or grammar (see
+    stallfree.engine.structured); the request then ends where the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -31,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
