@@ -13,6 +13,7 @@ from starlette.background import BackgroundTask
 
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.server.async_engine import AsyncEngine, RequestStream
+from stallfree.engine.server.constraints import chat_prompt, constrain, request_constraint
 from stallfree.engine.server.errors import APIError, BadRequest, ContextLengthExceeded, EngineError
 from stallfree.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.engine.server.responses import SSE_DONE, ResponseBuilder, sse
@@ -65,6 +66,7 @@ async def completions(body: CompletionRequest, request: Request):
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = _max_tokens(engine, len(ids), body.max_tokens, "prompt")
     params = body.sampling_params(max_tokens, body.logprobs)
+    params = await constrain(engine.engine, params, request_constraint(body))
     return await _serve(state, engine, request, "completion", ids, params, body.include_usage, body.stream)
 
 
@@ -74,14 +76,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = state.ready_engine()
     state.check_model(body.model)
     body.check_unsupported()
-    tok = engine.engine.tokenizer
-    try:
-        ids = tok.encode_chat(body.conversation(), add_generation_prompt=body.add_generation_prompt)
-    except ValueError as e:
-        raise BadRequest(str(e), param="messages") from e
+    prompt = chat_prompt(engine.engine, body, state.settings.tool_call_parser)
+    ids = prompt.token_ids
     max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), "messages")
     params = body.sampling_params(max_tokens, body.num_logprobs())
-    return await _serve(state, engine, request, "chat", ids, params, body.include_usage, body.stream)
+    params = await constrain(engine.engine, params, request_constraint(body, prompt.plan))
+    return await _serve(
+        state, engine, request, "chat", ids, params, body.include_usage, body.stream, prompt.extractor()
+    )
 
 
 def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param: str) -> int:
@@ -103,7 +105,17 @@ def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param
     return requested
 
 
-async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, include_usage, stream):
+async def _serve(
+    state,
+    engine: AsyncEngine,
+    request: Request,
+    kind: str,
+    ids,
+    params,
+    include_usage,
+    stream,
+    tool_calls=None,
+):
     header = request.headers.get(TRAFFIC_HEADER)
     cluster = engine.traffic.classify(header, len(ids))
     if cluster is None:
@@ -123,7 +135,9 @@ async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, p
     rate = state.window.admission_rate(cluster)
     hint = min(MAX_RETRY_AFTER_S, (waiting + 1) / rate) if rate > 0 else 1.0
     rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint)
-    builder = ResponseBuilder(kind, request_id, state.model_name, engine.engine.tokenizer, include_usage)
+    builder = ResponseBuilder(
+        kind, request_id, state.model_name, engine.engine.tokenizer, include_usage, tool_calls=tool_calls
+    )
     if stream:
         release = _releaser(engine, rs)
         # NOTE: if the client leaves before the body starts, the generator never runs and its finally never

@@ -8,6 +8,7 @@ from typing import Any
 
 from stallfree.engine.model.tokenizer import Tokenizer
 from stallfree.engine.outputs import RequestOutput, TokenLogprob
+from stallfree.engine.server.tool_calls.stream import ToolCallExtractor
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -32,8 +33,17 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 class ResponseBuilder:
     """Builds one request's bodies; `kind` is "completion" or "chat"."""
 
-    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Tokenizer, include_usage: bool):
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        tokenizer: Tokenizer,
+        include_usage: bool,
+        tool_calls: ToolCallExtractor | None = None,
+    ):
         self.kind = kind
+        self.tool_calls = tool_calls  # chat with tools: reads calls out of the text
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
@@ -90,11 +100,19 @@ class ResponseBuilder:
                 "stop_reason": out.stop_reason,
             }
             return {**self._head("text_completion"), "choices": [choice], "usage": usage(out)}
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        finish = out.finish_reason
+        if self.tool_calls is not None:
+            content, calls = self.tool_calls.message(out.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            finish = _finish_with_calls(finish, bool(calls))
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": out.text},
+            "message": message,
             "logprobs": self.chat_logprobs(out.logprobs),
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish,
             "stop_reason": out.stop_reason,
         }
         return {**self._head("chat.completion"), "choices": [choice], "usage": usage(out)}
@@ -117,6 +135,8 @@ class ResponseBuilder:
         """The chunk for this step's new text (and the finish reason when it ends), or None if empty."""
         if not out.new_text and not out.finished and not out.new_logprobs:
             return None
+        if self.kind == "chat" and self.tool_calls is not None:
+            return self._tool_delta_chunks(out)
         finish = out.finish_reason if out.finished else None
         if self.kind == "completion":
             choice = {
@@ -137,6 +157,28 @@ class ResponseBuilder:
             choice["stop_reason"] = out.stop_reason
         return self._chunk(choice)
 
+    def _tool_delta_chunks(self, out: RequestOutput) -> str | None:
+        """Content and tool_calls deltas of this step, one chunk each; the finish reason on the last."""
+        assert self.tool_calls is not None  # noqa: S101 - only called with an extractor
+        deltas = self.tool_calls.feed(out.new_text, final=out.finished)
+        if out.finished:
+            deltas.append({})
+        chunks = []
+        logprobs = self.chat_logprobs(out.new_logprobs)
+        for i, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                                      "finish_reason": None}  # fmt: skip
+            if out.finished and i == len(deltas) - 1:
+                choice["finish_reason"] = _finish_with_calls(out.finish_reason, self.tool_calls.made_calls)
+                choice["stop_reason"] = out.stop_reason
+            chunks.append(self._chunk(choice))
+        return "".join(chunks) or None
+
     def usage_chunk(self, out: RequestOutput) -> str:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return sse({**self._head(obj), "choices": [], "usage": usage(out)})
+
+
+def _finish_with_calls(finish_reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason

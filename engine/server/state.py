@@ -32,6 +32,7 @@ class ServerSettings:
     stats_window_s: float = 60.0
     drain_timeout_s: float = 30.0
     iteration_log: str | None = None  # JSON lines, one per iteration (`stallfree profile --from-log`)
+    tool_call_parser: str = "auto"  # how tool calls are read from the output: auto, hermes, llama3_json
 
 
 class ServerState:

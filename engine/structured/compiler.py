@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 COMPILER_THREADS = 2
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
 def import_xgrammar() -> Any:
@@ -110,5 +112,6 @@ def choice_ebnf(choices: tuple[str, ...]) -> str:
 
 
 def _first_line(e: Exception) -> str:
+    """The grammar engine's message without its log prefix ("[08:20:38] /project/cpp/x.cc:94: ")."""
     text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:500]
+    return _LOG_PREFIX.sub("", text.splitlines()[0])[:500]
