@@ -62,13 +62,14 @@ def request_constraint(
 
 
 async def constrain(
-    engine: LLMEngine, params: SamplingParams, so: StructuredOutputsParams | None
+    engine: LLMEngine, params: SamplingParams, so: StructuredOutputsParams | None, field: str
 ) -> SamplingParams:
-    """`params` with the constraint, its grammar compiled (cached) in a worker thread; 400 if it cannot be."""
+    """`params` with the constraint, its grammar compiled (cached) in a worker thread; 400 naming `field`
+    (the request field the constraint came from) if it cannot be."""
     if so is None:
         return params
     try:
         await asyncio.to_thread(engine.structured.validate, so)
     except ValueError as e:
-        raise BadRequest(str(e), param="response_format") from e
+        raise BadRequest(str(e), param=field) from e
     return replace(params, structured_outputs=so)

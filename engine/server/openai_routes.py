@@ -66,7 +66,7 @@ async def completions(body: CompletionRequest, request: Request):
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = _max_tokens(engine, len(ids), body.max_tokens, "prompt")
     params = body.sampling_params(max_tokens, body.logprobs)
-    params = await constrain(engine.engine, params, request_constraint(body))
+    params = await constrain(engine.engine, params, request_constraint(body), body.constraint_field())
     return await _serve(state, engine, request, "completion", ids, params, body.include_usage, body.stream)
 
 
@@ -80,7 +80,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ids = prompt.token_ids
     max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), "messages")
     params = body.sampling_params(max_tokens, body.num_logprobs())
-    params = await constrain(engine.engine, params, request_constraint(body, prompt.plan))
+    so = request_constraint(body, prompt.plan)
+    field = "tools" if so is not None and so is prompt.plan.structured_outputs else body.constraint_field()
+    params = await constrain(engine.engine, params, so, field)
     return await _serve(
         state, engine, request, "chat", ids, params, body.include_usage, body.stream, prompt.extractor()
     )

@@ -51,6 +51,27 @@ class StructuredFields(BaseModel):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint this request asks for (None: free text); BadRequest naming the field."""
+        asked = self._asked()
+        if not asked:
+            return None
+        if len(asked) > 1:
+            fields = ", ".join(name for name, _ in asked)
+            raise BadRequest(
+                f"give one structured output constraint, not several ({fields})", param=asked[1][0]
+            )
+        param, kwargs = asked[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except ValueError as e:
+            raise BadRequest(f"{param}: {e}", param=param) from e
+
+    def constraint_field(self) -> str:
+        """The request field its constraint came from (for error messages)."""
+        asked = self._asked()
+        return asked[0][0] if asked else "response_format"
+
+    def _asked(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, StructuredOutputsParams arguments) for every constraint the request sets."""
         asked: list[tuple[str, dict[str, Any]]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -74,18 +95,7 @@ class StructuredFields(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 asked.append((name, {key: value}))
-        if not asked:
-            return None
-        if len(asked) > 1:
-            fields = ", ".join(name for name, _ in asked)
-            raise BadRequest(
-                f"give one structured output constraint, not several ({fields})", param=asked[1][0]
-            )
-        param, kwargs = asked[0]
-        try:
-            return StructuredOutputsParams(**kwargs)
-        except ValueError as e:
-            raise BadRequest(f"{param}: {e}", param=param) from e
+        return asked
 
 
 class FunctionDefinition(BaseModel):

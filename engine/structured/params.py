@@ -32,7 +32,7 @@ class StructuredOutputsParams:
     strict: bool = True
 
     def __post_init__(self) -> None:
-        if self.json is not None and not isinstance(self.json, str):
+        if self.json is not None:
             object.__setattr__(self, "json", canonical_schema(self.json))
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
