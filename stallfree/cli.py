@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "stallfree.bench.per_token",
         "CPU decode ms per token of each mode beside llama.cpp's (same GGUF, same threads)",
     ),
+    "structured-bench": (
+        "stallfree.bench.structured_cost",
+        "decode ms per token with some requests under a JSON-schema grammar vs none (side by side)",
+    ),
     "serve-bench": (
         "stallfree.engine.server.bench_http",
         "HTTP serving vs offline LLM.generate: throughput, added latency",
