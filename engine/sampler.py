@@ -50,19 +50,22 @@ def mask_disallowed(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Te
     if not rows:
         return logits
     words = torch.stack([reqs[i].allowed_tokens.bitmask() for i in rows])  # type: ignore[union-attr]
-    vocab = logits.shape[1]
     if logits.device.type == "cpu":
         # numpy, one row at a time: cheaper than torch's threaded kernels for this little work
-        banned = np.unpackbits(~words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        banned = np.unpackbits(~words.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
         values = logits.numpy()
         for j, i in enumerate(rows):
             np.copyto(values[i], -np.inf, where=banned[j].view(np.bool_))
         return logits
     dev = logits.device
-    words = words.pin_memory().to(dev, non_blocking=True)
     index = torch.tensor(rows, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=dev)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # (R, V)
+    return mask_rows(logits, index, words.pin_memory().to(dev, non_blocking=True))
+
+
+def mask_rows(logits: torch.Tensor, index: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The device path of mask_disallowed: logits (N, V), index (R,) rows, words (R, ceil(V / 32)) int32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()  # (R, V)
     logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
     return logits
 

@@ -98,3 +98,11 @@ def test_a_bad_grammar_is_refused_when_the_request_is_added(llm):
             "bad", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="["))
         )
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_parallel_engine_refuses_constraints_it_cannot_carry():
+    from stallfree.engine.parallel.engine import ParallelLLMEngine
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="not supported with tensor or pipeline parallelism"):
+        ParallelLLMEngine.validate_prompt(object(), [1, 2], params)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stallfree.engine.sampler import SampleRequest, mask_disallowed
+from stallfree.engine.sampler import SampleRequest, mask_disallowed, mask_rows
 from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.structured import StructuredOutputsParams
 from stallfree.engine.structured.compiler import GrammarCompiler
@@ -89,3 +89,17 @@ def test_the_sampler_hook_masks_only_constrained_rows():
     finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert finite == [5, 63, 99]
     assert torch.equal(logits[1, finite], before[1, finite])
+
+
+def test_the_device_path_masks_the_same_tokens():
+    """mask_rows (what CUDA runs, unpacking on the device) against the CPU path, on CPU tensors."""
+    vocab = 1000
+    gen = torch.Generator().manual_seed(0)
+    masks = [_Mask(torch.randperm(vocab, generator=gen)[:k].tolist(), vocab) for k in (1, 37, 999)]
+    logits = torch.randn(5, vocab, generator=gen)
+    p = SamplingParams()
+    reqs = [SampleRequest(str(i), p, 0, masks[i // 2] if i % 2 == 0 else None) for i in range(5)]
+    cpu = mask_disallowed(logits.clone(), reqs)
+    dev = mask_rows(logits.clone(), torch.tensor([0, 2, 4]), torch.stack([m.bitmask() for m in masks]))
+    assert torch.equal(cpu, dev)
+    assert [int(torch.isfinite(cpu[i]).sum()) for i in (0, 2, 4)] == [1, 37, 999]
