@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             "ms_per_token": _spread([r["wall"] * 1e3 / args.batch for r in rs]),
             "cpu_ms_per_token": _spread([r["cpu"] * 1e3 / args.batch for r in rs]),
             "sample_ms_per_iteration": _spread([r["sample"] * 1e3 for r in rs]),
+            "iterations_s": rs,  # every timed iteration: wall, process CPU and sampler seconds
         }
     c = result["configs"]
     result["ratio"] = c["constrained"]["ms_per_token"]["median"] / c["plain"]["ms_per_token"]["median"]
@@ -170,15 +171,15 @@ def _plot(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace, pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
     names = list(rows)
-    ax.boxplot([[r["wall"] * 1e3 / args.batch for r in rows[n]] for n in names], showfliers=False)
-    ax.set_xticks(
-        range(1, len(names) + 1),
-        [f"{n}\n({args.constrained if n != 'plain' else 0} of {args.batch})" for n in names],
-    )
-    ax.set_ylabel("decode ms per token")
-    ax.set_title(f"Structured outputs: decode cost at batch {args.batch}")
+    labels = [f"{n}\n({args.constrained if n != 'plain' else 0} of {args.batch})" for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, title in ((axes[0], "wall", "wall time"), (axes[1], "cpu", "process CPU time")):
+        ax.boxplot([[r[key] * 1e3 / args.batch for r in rows[n]] for n in names], showfliers=False)
+        ax.set_xticks(range(1, len(names) + 1), labels)
+        ax.set_ylabel("decode ms per token")
+        ax.set_title(title)
+    fig.suptitle(f"Structured outputs: decode at batch {args.batch}, {args.threads} thread(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
