@@ -138,3 +138,17 @@ def test_bad_tool_requests_are_400(server, extra, param, words):
     err = r.json()["error"]
     assert err["param"].startswith(param), err
     assert words in err["message"], err
+
+
+def test_auto_streams_what_it_answers_whole(client):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    streamed_calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    if whole.message.tool_calls:  # the model chose to call: the calls match, whatever the model
+        names = [tc.function.name for tc in streamed_calls if tc.function and tc.function.name]
+        assert names == [tc.function.name for tc in whole.message.tool_calls]
+    else:
+        assert content == whole.message.content and not streamed_calls
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
