@@ -25,6 +25,7 @@ from stallfree.engine.outputs import IterationStats, RequestOutput
 from stallfree.engine.request import Request, RequestStatus
 from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.scheduler import Scheduler
+from stallfree.engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = self._make_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.stats_listeners: list[StatsListener] = []
         self.clock: Callable[[], float] = time.monotonic
         self.last_stats: IterationStats | None = None
@@ -259,6 +261,8 @@ class LLMEngine:
                 f"the prompt needs {need} KV-cache blocks but the cache has {self.num_kv_blocks}: "
                 "shorten the prompt or give the KV cache more memory"
             )
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
 
     def add_request(
         self,
@@ -287,6 +291,8 @@ class LLMEngine:
             priority=priority,
         )
         self.scheduler.add_request(req)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs)
         self.outputs.add(req)
         return req
 
@@ -308,6 +314,7 @@ class LLMEngine:
         out = self.outputs.make_output(req)
         self.outputs.drop(req.request_id)
         self.runner.release(req.request_id)
+        self.structured.release(req.request_id)
         return out
 
     # ---- the loop --------------------------------------------------------------------------------------
@@ -319,6 +326,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._mark_scheduled(sched)
+        sched = self.structured.attach_masks(sched)  # filled in the background while the model runs
         try:
             run = self.runner.execute(sched)
         except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
@@ -343,6 +351,8 @@ class LLMEngine:
             if req is None:
                 continue
             status = self.outputs.append_token(req, res, now)
+            if rid in self.structured:
+                status = self._advance_grammar(req, res.token_id, status)
             if status is not None:
                 self.scheduler.finish_request(rid, status)
                 results.append(self._finalize(req))
@@ -356,6 +366,19 @@ class LLMEngine:
         for listener in self.stats_listeners:
             listener(stats, results)
         return results
+
+    def _advance_grammar(
+        self, req: Request, token_id: int, status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """Feed a constrained request's token to its grammar; it ends where the grammar has terminated."""
+        if not self.structured.accept(req.request_id, token_id):
+            # NOTE: cannot happen for a masked row; a sign of a vocabulary/grammar mismatch, so fail loudly.
+            req.error = f"the sampled token {token_id} does not fit the request's grammar"
+            logger.error("%s: %s", req.request_id, req.error)
+            return RequestStatus.FINISHED_ERROR
+        if status is None and self.structured.is_terminated(req.request_id):
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _fail(self, sched, message: str) -> list[RequestOutput]:
         outs = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from stallfree.engine.penalties import to_device
-from stallfree.engine.sampler import Sampler, SampleRequest, SampleResult, min_p_mask
+from stallfree.engine.sampler import Sampler, SampleRequest, SampleResult, mask_disallowed, min_p_mask
 
 
 class GpuSampler(Sampler):
@@ -36,6 +36,7 @@ class GpuSampler(Sampler):
             logits = logits.index_put(
                 (idx[0], idx[1]), torch.full((len(ban_rows),), float("-inf"), device=dev)
             )
+        mask_disallowed(logits, reqs)  # the grammar first, as vLLM: penalties never revive a masked token
         logits = self.penalties.apply(logits, reqs)
         tokens = torch.argmax(logits, dim=-1)  # (N,) greedy for every row; random rows replaced below
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]

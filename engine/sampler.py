@@ -8,7 +8,9 @@ ask for them (stallfree.engine.penalties). Greedy rows take the argmax in one ve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from stallfree.engine.penalties import PenaltyState
@@ -22,6 +24,14 @@ class SampleResult:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # the `logprobs` most likely tokens, best first
 
 
+class AllowedTokens(Protocol):
+    """A row's token mask (structured outputs): which tokens the grammar allows next."""
+
+    def bitmask(self) -> torch.Tensor:
+        """(ceil(V / 32),) int32 on the CPU: bit t % 32 of word t // 32 set = token t allowed."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class SampleRequest:
     """What the sampler needs about one row."""
@@ -30,11 +40,48 @@ class SampleRequest:
     params: SamplingParams
     num_output_tokens: int
     prompt_token_ids: tuple[int, ...] = ()  # only with the first sample of a repetition-penalised request
+    allowed_tokens: AllowedTokens | None = None  # structured outputs: only these tokens may be sampled
 
     @classmethod
-    def of(cls, chunk) -> SampleRequest:
-        """From a scheduler.ScheduledChunk that samples."""
-        return cls(chunk.request_id, chunk.sampling_params, chunk.num_output_tokens, chunk.penalty_prompt)
+    def of(cls, chunk, allowed_tokens: AllowedTokens | None = None) -> SampleRequest:
+        """From a scheduler.ScheduledChunk that samples (and its grammar's mask, if it has one)."""
+        return cls(
+            chunk.request_id,
+            chunk.sampling_params,
+            chunk.num_output_tokens,
+            chunk.penalty_prompt,
+            allowed_tokens,
+        )
+
+
+def mask_disallowed(logits: torch.Tensor, reqs: list[SampleRequest]) -> torch.Tensor:
+    """Set the logits of tokens outside each constrained row's mask to -inf (in place); logits (N, V).
+
+    NOTE: rows without a mask are not touched, so unconstrained outputs are bit-identical with or without
+    constrained neighbours. On CUDA the bitmask is unpacked on the device, copied without a sync.
+    """
+    rows = [i for i, r in enumerate(reqs) if r.allowed_tokens is not None]
+    if not rows:
+        return logits
+    words = torch.stack([reqs[i].allowed_tokens.bitmask() for i in rows])  # type: ignore[union-attr]
+    if logits.device.type == "cpu":
+        # numpy, one row at a time: cheaper than torch's threaded kernels for this little work
+        banned = np.unpackbits(~words.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+        values = logits.numpy()
+        for j, i in enumerate(rows):
+            np.copyto(values[i], -np.inf, where=banned[j].view(np.bool_))
+        return logits
+    dev = logits.device
+    index = torch.tensor(rows, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+    return mask_rows(logits, index, words.pin_memory().to(dev, non_blocking=True))
+
+
+def mask_rows(logits: torch.Tensor, index: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The device path of mask_disallowed: logits (N, V), index (R,) rows, words (R, ceil(V / 32)) int32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()  # (R, V)
+    logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 class Sampler:
@@ -79,6 +126,7 @@ class Sampler:
             banned = self._suppressed(r)
             if banned:
                 logits[i, banned] = float("-inf")
+        mask_disallowed(logits, reqs)  # the grammar first, as vLLM: penalties never revive a masked token
         logits = self.penalties.apply(logits, reqs)
         need_lp = any(r.params.logprobs is not None for r in reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None  # (N, V)

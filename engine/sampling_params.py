@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stallfree.engine.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -26,6 +28,9 @@ class SamplingParams:
     as vLLM's sampler: min_tokens, logit_bias, penalties, then temperature, top-k, top-p, min-p. Greedy
     requests see the first three too. Log-probabilities are those of the processed logits (before
     temperature).
+
+    `structured_outputs` constrains the text to a JSON schema, regex, choice or grammar (see
+    stallfree.engine.structured); the request then ends where the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -45,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is accepted too
     min_p: float = 0.0
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -16,8 +16,9 @@ Policies (SchedulerConfig.policy):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from stallfree.engine.block_manager import BlockManager
 from stallfree.engine.config import SchedulerConfig, SchedulerTunables
@@ -63,6 +64,9 @@ class SchedulerOutput:
     # Prefix cache lookups of the requests admitted this iteration: (traffic cluster, prompt tokens looked
     # up, tokens found cached), one entry per admission.
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
+    # Structured outputs: request id -> the token mask its sampled row must obey (a sampler.AllowedTokens).
+    # The scheduler leaves it empty; the engine attaches the masks of constrained requests after scheduling.
+    allowed_tokens: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def num_tokens(self) -> int:

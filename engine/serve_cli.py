@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS
+from stallfree.engine.server.tool_calls.parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--iteration-log", metavar="FILE", default=None, help="append one JSON line per engine "
                    "iteration (its chunks and timing) to FILE, to fit a cost model to this server with "
                    "`stallfree profile --from-log FILE`")  # fmt: skip
+    h.add_argument("--tool-call-parser", choices=("auto", *TOOL_PARSERS), default="auto", help="how tool "
+                   "calls are read from the model's output with tool_choice auto: hermes (<tool_call> "
+                   "blocks, Hermes/Qwen) or llama3_json (Llama 3.1 JSON); auto picks it from the chat "
+                   "template (hermes when the template has no tool format)")  # fmt: skip
     return p
 
 
@@ -288,6 +293,7 @@ def build_configs(args: argparse.Namespace):
         drain_timeout_s=args.drain_timeout,
         iteration_log=args.iteration_log,
         served_model_names=names,
+        tool_call_parser=args.tool_call_parser,
     )
     return engine_config, settings
 

@@ -115,6 +115,14 @@ class ParallelLLMEngine(LLMEngine):
     def pipeline_depth(self) -> int:
         return self.config.parallel.pipeline_parallel_size
 
+    def validate_prompt(self, ids, params) -> None:  # type: ignore[override]
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "structured outputs (response_format, guided_*, tool_choice required/named) are not "
+                "supported with tensor or pipeline parallelism yet: serve the model on one device"
+            )
+        super().validate_prompt(ids, params)
+
     def add_request(self, request_id, prompt, params, **kw):  # type: ignore[override]
         if self.dead is not None:
             raise WorkerFailedError(self.dead)

@@ -13,6 +13,7 @@ from starlette.background import BackgroundTask
 
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.server.async_engine import AsyncEngine, RequestStream
+from stallfree.engine.server.constraints import chat_prompt, constrain, request_constraint
 from stallfree.engine.server.errors import APIError, BadRequest, ContextLengthExceeded, EngineError
 from stallfree.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.engine.server.responses import SSE_DONE, ResponseBuilder, sse
@@ -67,6 +68,7 @@ async def completions(body: CompletionRequest, request: Request):
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = _max_tokens(engine, len(ids), body.max_tokens, "prompt")
     params = body.sampling_params(max_tokens, body.logprobs)
+    params = await constrain(engine.engine, params, request_constraint(body), body.constraint_field())
     return await _serve(state, engine, request, "completion", ids, params, body)
 
 
@@ -76,14 +78,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = state.ready_engine()
     state.check_model(body.model)
     body.check_unsupported(engine.engine.model_config.vocab_size)
-    tok = engine.engine.tokenizer
-    try:
-        ids = tok.encode_chat(body.conversation(), add_generation_prompt=body.add_generation_prompt)
-    except ValueError as e:
-        raise BadRequest(str(e), param="messages") from e
+    prompt = chat_prompt(engine.engine, body, state.settings.tool_call_parser)
+    ids = prompt.token_ids
     max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), "messages")
     params = body.sampling_params(max_tokens, body.num_logprobs())
-    return await _serve(state, engine, request, "chat", ids, params, body)
+    so = request_constraint(body, prompt.plan)
+    field = "tools" if so is not None and so is prompt.plan.structured_outputs else body.constraint_field()
+    params = await constrain(engine.engine, params, so, field)
+    return await _serve(state, engine, request, "chat", ids, params, body, prompt.extractors(body.n))
 
 
 def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param: str) -> int:
@@ -105,7 +107,7 @@ def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param
     return requested
 
 
-async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, body):
+async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, body, tool_calls=None):
     header = request.headers.get(TRAFFIC_HEADER)
     cluster = engine.traffic.classify(header, len(ids))
     if cluster is None:
@@ -134,6 +136,7 @@ async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, p
         n=body.n,
         continuous_usage=body.continuous_usage,
         num_prompt_tokens=len(ids),
+        tool_calls=tool_calls,
     )
     if body.stream:
         release = _releaser(engine, rs)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.server.errors import BadRequest
+from stallfree.engine.server.protocol_structured import StructuredFields, ToolCall, ToolFields
 from stallfree.engine.server.request_fields import refuse_unsupported
 
 MAX_CHOICES = 128  # OpenAI's bound on n
@@ -20,7 +21,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk (needs include_usage)
 
 
-class _Common(BaseModel):
+class _Common(StructuredFields):
     # Undeclared fields land in model_extra: request_fields refuses those that would change the output.
     model_config = ConfigDict(extra="allow")
 
@@ -135,6 +136,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -147,15 +159,15 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ToolFields, _Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

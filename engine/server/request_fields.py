@@ -18,24 +18,8 @@ from stallfree.engine.server.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 
-# Structured outputs and tool calls (issue 31 items 1-2, built on another branch): refused until they land;
-# the merge moves them to the implemented fields.
-STRUCTURED_OUTPUT_FIELDS: dict[str, str] = {
-    "response_format": "structured outputs (response_format) are not supported by this server yet",
-    "tools": "tool calling (tools) is not supported by this server yet",
-    "tool_choice": "tool calling (tool_choice) is not supported by this server yet",
-    "structured_outputs": "structured outputs are not supported by this server yet",
-    "guided_json": "guided decoding (guided_json) is not supported by this server yet",
-    "guided_regex": "guided decoding (guided_regex) is not supported by this server yet",
-    "guided_choice": "guided decoding (guided_choice) is not supported by this server yet",
-    "guided_grammar": "guided decoding (guided_grammar) is not supported by this server yet",
-    "guided_decoding_backend": "guided decoding is not supported by this server yet",
-    "guided_whitespace_pattern": "guided decoding is not supported by this server yet",
-}
-
 # Fields (OpenAI's and vLLM's) that would change the output and are not implemented: why, for the 400.
 REFUSED_FIELDS: dict[str, str] = {
-    **STRUCTURED_OUTPUT_FIELDS,
     "functions": "function calling (functions) is not supported; it is deprecated in favour of tools",
     "function_call": "function calling (function_call) is not supported; it is deprecated in favour of tools",
     "audio": "audio output is not supported: this server generates text",
@@ -69,8 +53,6 @@ REFUSED_FIELDS: dict[str, str] = {
 # Values of refused fields that change nothing (besides null/false/empty, always accepted).
 INERT_VALUES: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none", "auto"),
     "best_of": (1,),
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
@@ -88,8 +70,6 @@ IGNORED_FIELDS: frozenset[str] = frozenset(
         "prompt_cache_key",
         "prompt_cache_retention",
         "prompt_cache_options",
-        # no effect without tools, which are refused (the tool-calling work implements it with them)
-        "parallel_tool_calls",
         # vLLM's: scheduling and caching hints, ids
         "priority",
         "request_id",

@@ -8,6 +8,7 @@ from typing import Any
 
 from stallfree.engine.model.tokenizer import Tokenizer
 from stallfree.engine.outputs import RequestOutput, TokenLogprob
+from stallfree.engine.server.tool_calls.stream import ToolCallExtractor
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -35,7 +36,9 @@ class ResponseBuilder:
     """Builds one request's bodies; `kind` is "completion" or "chat"; `n` choices, each with its index.
 
     `continuous_usage` (vLLM's stream_options.continuous_usage_stats) puts usage in every streamed chunk:
-    the prompt and the tokens generated so far by that chunk's choice, as vLLM reports it."""
+    the prompt and the tokens generated so far by that chunk's choice, as vLLM reports it.
+
+    `tool_calls` (chat with tools): one reader per choice that takes the calls out of its text."""
 
     def __init__(
         self,
@@ -48,8 +51,10 @@ class ResponseBuilder:
         n: int = 1,
         continuous_usage: bool = False,
         num_prompt_tokens: int = 0,
+        tool_calls: list[ToolCallExtractor] | None = None,
     ):
         self.kind = kind
+        self.tool_calls = tool_calls  # chat with tools: choice i's calls are read by tool_calls[i]
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
@@ -123,6 +128,13 @@ class ResponseBuilder:
             }
             for i, out in enumerate(outs)
         ]
+        if self.tool_calls is not None:
+            for choice, extractor in zip(choices, self.tool_calls, strict=True):
+                content, calls = extractor.message(choice["message"]["content"])
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                choice["finish_reason"] = _finish_with_calls(choice["finish_reason"], bool(calls))
         return {**self._head("chat.completion"), "choices": choices, "usage": usage(outs)}
 
     # ---- streaming ---------------------------------------------------------------------------------
@@ -153,6 +165,8 @@ class ResponseBuilder:
         """Choice `index`'s chunk for this step's new text (and the finish reason when it ends), or None."""
         if not out.new_text and not out.finished and not out.new_logprobs:
             return None
+        if self.kind == "chat" and self.tool_calls is not None:
+            return self._tool_delta_chunks(out, index)
         finish = out.finish_reason if out.finished else None
         if self.kind == "completion":
             choice = {
@@ -173,6 +187,29 @@ class ResponseBuilder:
             choice["stop_reason"] = out.stop_reason
         return self._chunk(choice, len(out.token_ids))
 
+    def _tool_delta_chunks(self, out: RequestOutput, index: int) -> str | None:
+        """Content and tool_calls deltas of this step, one chunk each; the finish reason on the last."""
+        assert self.tool_calls is not None  # noqa: S101 - only called with an extractor
+        extractor = self.tool_calls[index]
+        deltas = extractor.feed(out.new_text, final=out.finished)
+        if out.finished:
+            deltas.append({})
+        chunks = []
+        logprobs = self.chat_logprobs(out.new_logprobs)
+        for i, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                                      "finish_reason": None}  # fmt: skip
+            if out.finished and i == len(deltas) - 1:
+                choice["finish_reason"] = _finish_with_calls(out.finish_reason, extractor.made_calls)
+                choice["stop_reason"] = out.stop_reason
+            chunks.append(self._chunk(choice, len(out.token_ids)))
+        return "".join(chunks) or None
+
     def usage_chunk(self, outs: list[RequestOutput]) -> str:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return sse({**self._head(obj), "choices": [], "usage": usage(outs)})
+
+
+def _finish_with_calls(finish_reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason

@@ -35,6 +35,7 @@ class ServerSettings:
     # --served-model-name: what clients send as `model`; the first is the one responses carry. Empty: the
     # loaded model's own name.
     served_model_names: tuple[str, ...] = ()
+    tool_call_parser: str = "auto"  # how tool calls are read from the output: auto, hermes, llama3_json
 
 
 class ServerState:

@@ -9,7 +9,7 @@ import pytest
 from server_helpers import API_KEY
 
 from stallfree.engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from stallfree.engine.server.request_fields import IGNORED_FIELDS, REFUSED_FIELDS, STRUCTURED_OUTPUT_FIELDS
+from stallfree.engine.server.request_fields import IGNORED_FIELDS, REFUSED_FIELDS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -56,7 +56,7 @@ SAMPLES = {
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "suffix": {"suffix": " the end"},
     "temperature": {"temperature": 0.5},
-    "tool_choice": {"tool_choice": "required"},
+    "tool_choice": {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
     "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
     "top_logprobs": {"logprobs": True, "top_logprobs": 2},
     "top_p": {"top_p": 0.9},
@@ -147,9 +147,10 @@ def test_values_that_change_nothing_and_unknown_fields_pass(server, extra):
     assert post(server, path, {**BASE[path], **extra}).status_code == 200
 
 
-def test_structured_output_fields_are_one_named_set():
-    """The structured-outputs branch implements these; until then they are refused together."""
-    assert {"response_format", "tools", "tool_choice", "structured_outputs", "guided_json"} <= set(
-        STRUCTURED_OUTPUT_FIELDS
-    )
-    assert set(STRUCTURED_OUTPUT_FIELDS) <= set(REFUSED_FIELDS)
+def test_structured_outputs_and_tools_are_implemented_not_refused_or_ignored():
+    """response_format, tools and vLLM's structured-output fields are fields of the request models, so they
+    reach the engine (engine/structured, engine/server/tool_calls): never refused, never dropped."""
+    fields = {"response_format", "tools", "tool_choice", "parallel_tool_calls", "structured_outputs"}
+    fields |= {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+    assert fields <= set(ChatCompletionRequest.model_fields)
+    assert not fields & (set(REFUSED_FIELDS) | IGNORED_FIELDS)
