@@ -74,12 +74,13 @@ CASES = [
     ),  # fmt: skip
     ("echo refused", "/v1/completions", {**OK, "echo": True}, None, 400, "echo"),
     (
-        "tools refused",
+        "tool_choice names no given tool",
         "/v1/chat/completions",
-        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}],
+         "tool_choice": {"type": "function", "function": {"name": "g"}}},
         None,
         400,
-        "tools",
+        "which is not in tools",
     ),  # fmt: skip
     ("beam search refused", "/v1/completions", {**OK, "use_beam_search": True}, None, 400, "beam"),
     ("unknown model", "/v1/completions", {**OK, "model": "gpt-9"}, None, 404, "gpt-9"),
