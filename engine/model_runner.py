@@ -109,11 +109,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         hb = host_batch(out, self.block_size)
-        reqs = [
-            SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens)
-            for c in out.chunks
-            if c.sample
-        ]
+        reqs = [SampleRequest.of(c, out.allowed_tokens.get(c.request_id)) for c in out.chunks if c.sample]
         if self.graphs is not None and self.graphs.fits(hb):
             t1 = time.perf_counter()
             logits = self.graphs.run(hb)  # (D, V): every decode samples
@@ -205,4 +201,4 @@ class ModelRunner:
         hb = host_batch(SchedulerOutput(chunks, (), 1 + 2 * n, 2 * n, 1), bs)
         _, logits = self._eager(hb)
         if logits is not None and self.sampler is not None:
-            self.sampler.sample(logits, [SampleRequest(c.request_id, c.sampling_params, 0) for c in chunks])
+            self.sampler.sample(logits, [SampleRequest.of(c) for c in chunks])
