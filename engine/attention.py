@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stallfree.engine.decode_groups import decode_groups, fits_paged_kernel
+from stallfree.engine.decode_groups import decode_groups
 from stallfree.engine.scheduler import SchedulerOutput
 
 
@@ -53,18 +53,23 @@ class AttentionMetadata:
     # For the torch backend: decodes in a few padded groups, prefill chunks one by one.
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
-    # For the cpu backend's paged decode kernel instead of the groups (None otherwise):
-    decode_tables: torch.Tensor | None = None  # (D, max pages) int32  each decode's blocks, 0-padded
-    decode_lens: torch.Tensor | None = None  # (D,) int32  each decode's history, new token included
+    # For the cpu backend's paged kernel, which then attends for EVERY row (decodes and prefill-chunk
+    # tokens alike, no groups, no prefill spans); None otherwise:
+    decode_tables: torch.Tensor | None = None  # (T, max pages) int32  each row's request's blocks, 0-padded
+    decode_lens: torch.Tensor | None = None  # (T,) int32  keys each row sees: its position + 1
 
 
 def build_metadata(
-    out: SchedulerOutput, block_size: int, device: torch.device, paged_decodes: bool = False
+    out: SchedulerOutput, block_size: int, device: torch.device, paged_rows: bool = False
 ) -> AttentionMetadata:
     """Turn the scheduler's chunks into the flat-batch attention description.
 
-    paged_decodes: describe the decodes by block table and length (for a kernel that reads the pages in
-    place) instead of in padded groups, when decode_groups.fits_paged_kernel says the kernel should take them."""
+    paged_rows: describe every row by its request's block table and the keys it sees (for the cpu
+    backend's kernel, which reads the pages in place) instead of decode groups and prefill spans.
+    NOTE: same request, same answer: a row at position p is then attended by the same code over the same
+    p + 1 keys whether it is a decode, a token of a chunk (any split) or follows a prefix-cache hit."""
+    if paged_rows:
+        return _paged_rows_metadata(out, block_size, device)
     qo, page_ptr, pages, last_len, slot_chunks = [0], [0], [], [], []
     decode_lens: list[int] = []
     prefills: list[PrefillSpan] = []
@@ -84,16 +89,8 @@ def build_metadata(
         page_ptr.append(page_ptr[-1] + n_pages)
         last_len.append(kv_len - (n_pages - 1) * block_size)
     groups = []
-    tables = lens = None
-    if paged_decodes and fits_paged_kernel(decode_lens):
-        n = len(decode_lens)  # decodes come first: decode i has pages[i]
-        tables_np = np.zeros((n, max(len(pages[i]) for i in range(n))), np.int32)
-        for i in range(n):
-            tables_np[i, : len(pages[i])] = pages[i]
-        tables = torch.from_numpy(tables_np).to(device)
-        lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
     # decodes come first, so decode i is row i and pages[i]
-    for members in decode_groups(decode_lens) if tables is None else []:
+    for members in decode_groups(decode_lens):
         n_pages = len(pages[members[0]])  # the longest history comes first
         blocks = np.zeros((len(members), n_pages), dtype=np.int64)
         mask = np.zeros((len(members), n_pages * block_size), dtype=bool)
@@ -119,8 +116,44 @@ def build_metadata(
         num_decodes=len(decode_lens),
         decode_groups=tuple(groups),
         prefills=tuple(prefills),
-        decode_tables=tables,
-        decode_lens=lens,
+    )
+
+
+def _paged_rows_metadata(out: SchedulerOutput, block_size: int, device: torch.device) -> AttentionMetadata:
+    """build_metadata for the cpu backend: every row by block table and key count (see paged_rows)."""
+    qo, page_ptr, last_len, slots, lens, row_req = [0], [0], [], [], [], []
+    tables: list[np.ndarray] = []
+    num_decodes = 0
+    for i, c in enumerate(out.chunks):
+        kv_len = c.start + c.num_tokens
+        n_pages = -(-kv_len // block_size)
+        table = np.asarray(c.block_table[:n_pages], dtype=np.int64)
+        pos = np.arange(c.start, kv_len, dtype=np.int64)  # the new tokens' absolute positions
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        lens.append(pos + 1)
+        row_req.append(np.full(c.num_tokens, i, dtype=np.int64))
+        tables.append(table)
+        num_decodes += c.is_decode
+        qo.append(qo[-1] + c.num_tokens)
+        page_ptr.append(page_ptr[-1] + n_pages)
+        last_len.append(kv_len - (n_pages - 1) * block_size)
+    width = max((len(t) for t in tables), default=1)
+    per_req = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        per_req[i, : len(t)] = t
+    i32 = dict(dtype=torch.int32, device=device)
+    cat = lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt)  # noqa: E731
+    return AttentionMetadata(
+        qo_indptr=torch.tensor(qo, **i32),
+        kv_page_indptr=torch.tensor(page_ptr, **i32),
+        kv_page_indices=torch.from_numpy(cat(tables, np.int64)).to(**i32),
+        kv_last_page_len=torch.tensor(last_len, **i32),
+        slot_mapping=torch.from_numpy(cat(slots, np.int64)).to(device),
+        num_decodes=num_decodes,
+        decode_groups=(),
+        prefills=(),
+        decode_tables=torch.from_numpy(per_req[cat(row_req, np.int64)]).to(device),  # (T, width)
+        decode_lens=torch.from_numpy(cat(lens, np.int64).astype(np.int32)).to(device),
     )
 
 
@@ -163,9 +196,10 @@ class TorchAttention:
     both use SDPA's enable_gqa, which shares each KV head across its query heads.
 
     With `kernels` (stallfree.engine.kernels.cpu_fused: the `cpu` backend) the KV store runs in the C++
-    kernel, and so do the decodes when build_metadata described them by block table (each decode reading
-    its own pages in place; see decode_groups.PAGED_DECODE_MAX_KEYS); prefill chunks stay on SDPA, which
-    is GEMM-shaped and already fast there.
+    kernel, and so does the attention of every row, decodes and prefill-chunk tokens alike, when
+    build_metadata described them by block table (paged_rows): one code path per row is what makes a
+    row's result independent of its batch, its chunk split and prefix-cache hits (SDPA's blocked softmax
+    over a chunk rounds differently from a decode's).
     """
 
     def __init__(
@@ -179,8 +213,8 @@ class TorchAttention:
         self.name = "torch" if kernels is None else "cpu"
 
     def bind(self, meta: AttentionMetadata):
-        cache, kernels, nd = self.cache, self.kernels, meta.num_decodes
-        paged = meta.decode_tables is not None  # decodes through the kernel (else in padded groups)
+        cache, kernels = self.cache, self.kernels
+        paged = meta.decode_tables is not None  # every row through the kernel (else groups and spans)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: (T, H, D); k, v: (T, KVH, D)
@@ -189,15 +223,11 @@ class TorchAttention:
                 cache.write(layer, meta.slot_mapping, k, v)
             else:
                 kernels.store_kv(k, v, kf, vf, meta.slot_mapping)
-            if paged:
-                dec = kernels.paged_decode_attention(
-                    q[:nd], cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens, self.scale
+            if paged:  # NOTE: after the store: a chunk's rows see the chunk's earlier keys in the cache
+                return kernels.paged_decode_attention(
+                    q, cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens, self.scale
                 )
-                if not meta.prefills:  # every row a decode
-                    return dec
             out = torch.empty_like(q)
-            if paged:
-                out[:nd] = dec
             for grp in meta.decode_groups:
                 g, n_pages = grp.blocks.shape
                 # Whole pages, gathered with index_select (2-3x faster than advanced indexing here).

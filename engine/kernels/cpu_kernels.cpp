@@ -14,8 +14,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -232,6 +236,34 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
+// ---- sums in a fixed order ----------------------------------------------------------------------------
+
+// NOTE: same request, same answer. `#pragma omp simd reduction` lets the compiler regroup a sum as it
+// vectorises, and how it does can depend on a buffer's alignment; these spell the grouping out (16 lanes,
+// lane j adds elements j, j + 16, ... in order, then the lanes in a fixed tree), so a row's result is the
+// same bits whichever call, batch or buffer it is computed in.
+inline float ordered_dot(const float* a, const float* b, int64_t n) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j] * b[i + j];
+  for (int j = 0; i + j < n; ++j) lane[j] += a[i + j] * b[i + j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+inline float ordered_sum(const float* a, int64_t n) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j];
+  for (int j = 0; i + j < n; ++j) lane[j] += a[i + j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
 // ---- decode attention over the paged cache ----------------------------------------------------------
 
 // One task = one decode x one KV head: the group's query heads share each key and value row as it is
@@ -269,13 +301,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       for (int64_t t = 0; t < len; ++t) {
         const c_t* kr = kc + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + h) * hd;
         load_row(kr, row.data(), hd);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * hd;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < hd; ++i) s += qg[i] * row[i];
-          scores[g * len + t] = s;
-        }
+        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = ordered_dot(qf.data() + g * hd, row.data(), hd);
       }
       std::vector<float> denom(G);
       for (int64_t g = 0; g < G; ++g) {
@@ -283,13 +309,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        denom[g] = sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] = std::exp(sg[t] - mx);
+        denom[g] = ordered_sum(sg, len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
@@ -352,6 +373,255 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- linear layers: one GEMM for every row count ---------------------------------------------------
+
+// y (T, N) = x (T, K) W^T with W held compactly: int4 in groups of 32 along K (Q4_1-style blocks: w =
+// code * scale + min, the 32 codes of a group in 16 bytes, byte j holding codes j (low nibble) and j + 16
+// (high)), int8 with one scale per output row (w = code * scale), or bf16.
+//
+// NOTE: same request, same answer. Every output y[t, n] is one fixed sequence of float32 operations: the
+// weights of column n widened to float32 the same way whatever the batch, 16 lanes where lane j adds
+// x[t, k] * w[k] for k = j, j + 16, ... in order (one FMA each), then the lanes summed in a fixed tree.
+// How many rows share the call only changes which rows are computed together, never how one row is, so a
+// token's logits do not depend on its batch, its chunk or a prefix-cache hit (the kernels this replaces
+// switched to another GEMM by row count, and the two rounded differently).
+//
+// Speed: the weights are read once per call for all rows (activations batched), widened into a float32
+// panel of CB columns that stays in L2 while every row passes over it in 4 x 4 register tiles.
+
+enum WeightKind : int64_t { kQ4 = 0, kQ8 = 1, kBF16 = 2 };
+
+struct Weights {
+  int64_t kind, K;
+  const uint8_t* q4;      // (N, K / 2)
+  const int8_t* q8;       // (N, K)
+  const uint16_t* bf16;   // (N, K)
+  const float* scale;     // (N, K / 32) for int4, (N,) for int8
+  const float* minv;      // (N, K / 32) for int4
+};
+
+// Column n's K weights as float32 into dst.
+void widen_column(const Weights& w, int64_t n, float* dst) {
+  const int64_t K = w.K;
+  if (w.kind == kQ4) {
+    const uint8_t* b = w.q4 + n * (K / 2);
+    const float* sc = w.scale + n * (K / 32);
+    const float* mn = w.minv + n * (K / 32);
+    for (int64_t g = 0; g < K / 32; ++g) {
+#ifdef __AVX512F__
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + g * 16));
+      const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+      const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn[g]);
+      _mm512_storeu_ps(dst + g * 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m));
+      _mm512_storeu_ps(dst + g * 32 + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m));
+#else
+      for (int j = 0; j < 16; ++j) {
+        dst[g * 32 + j] = std::fma(static_cast<float>(b[g * 16 + j] & 15), sc[g], mn[g]);
+        dst[g * 32 + 16 + j] = std::fma(static_cast<float>(b[g * 16 + j] >> 4), sc[g], mn[g]);
+      }
+#endif
+    }
+  } else if (w.kind == kQ8) {
+    const int8_t* c = w.q8 + n * K;
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(c[k]);
+  } else {
+    const uint16_t* c = w.bf16 + n * K;
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t k = 0; k < K; ++k) d[k] = static_cast<uint32_t>(c[k]) << 16;
+  }
+}
+
+inline float lane_tree(const float* lane) {
+  float l[16];
+  for (int j = 0; j < 16; ++j) l[j] = lane[j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) l[j] += l[j + w];
+  return l[0];
+}
+
+// R rows x 4 columns: x rows (R, K) float32 at stride K, weight panel columns (4, K) at stride K.
+template <int R>
+void tile(const float* x, const float* wp, int64_t K, float* out, int64_t out_stride) {
+#ifdef __AVX512F__
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wp + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  alignas(64) float lane[16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) {
+      _mm512_store_ps(lane, acc[r][c]);
+      out[r * out_stride + c] = lane_tree(lane);
+    }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) {
+      float lane[16] = {0.f};
+      for (int64_t k = 0; k < K; k += 16)
+        for (int j = 0; j < 16; ++j) lane[j] = std::fma(x[r * K + k + j], wp[c * K + k + j], lane[j]);
+      out[r * out_stride + c] = lane_tree(lane);
+    }
+#endif
+}
+
+#ifdef __AVX512F__
+// Weights k .. k + 15 of column n as float32, widened exactly as widen_column does (same bits).
+inline __m512 widen16(const Weights& w, int64_t n, int64_t k) {
+  const int64_t K = w.K;
+  if (w.kind == kQ4) {
+    const int64_t g = k / 32;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + n * (K / 2) + g * 16));
+    const __m128i codes = (k % 32) ? _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))
+                                   : _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)),
+                           _mm512_set1_ps(w.scale[n * (K / 32) + g]), _mm512_set1_ps(w.minv[n * (K / 32) + g]));
+  }
+  if (w.kind == kQ8) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  }
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.bf16 + n * K + k));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
+}
+
+// R rows x 4 columns straight from the compact weights (no panel): for few rows, where widening the
+// weights once per row tile costs less than writing and rereading a panel. Same operations as tile<R>.
+template <int R>
+void tile_direct(const float* x, const Weights& w, int64_t n0, float* out, int64_t out_stride) {
+  const int64_t K = w.K;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = widen16(w, n0 + c, k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  alignas(64) float lane[16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) {
+      _mm512_store_ps(lane, acc[r][c]);
+      out[r * out_stride + c] = lane_tree(lane);
+    }
+}
+#endif
+
+// Rows up to which tile_direct is used (see there).
+constexpr int64_t kDirectRows = 8;
+
+void gemm_direct(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+#ifdef __AVX512F__
+  const int64_t K = w.K;
+  at::parallel_for(0, N / 4, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t cb = begin; cb < end; ++cb) {
+      const int64_t n0 = cb * 4;
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4) tile_direct<4>(xp + t * K, w, n0, op + t * N + n0, N);
+      const int64_t left = T - t;
+      if (left == 3) tile_direct<3>(xp + t * K, w, n0, op + t * N + n0, N);
+      if (left == 2) tile_direct<2>(xp + t * K, w, n0, op + t * N + n0, N);
+      if (left == 1) tile_direct<1>(xp + t * K, w, n0, op + t * N + n0, N);
+    }
+  });
+#endif
+}
+
+struct AlignedFloats {
+  float* p = nullptr;
+  explicit AlignedFloats(int64_t n) {
+    if (posix_memalign(reinterpret_cast<void**>(&p), 64, std::max<int64_t>(n, 16) * sizeof(float))) p = nullptr;
+    TORCH_CHECK(p != nullptr, "out of memory for a ", n, "-float buffer");
+  }
+  ~AlignedFloats() { free(p); }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+};
+
+// Many rows: per task a panel of CB columns widened once (<= 256 KiB of float32, it stays in L2), every row
+// tile passing over it.
+void gemm_panel(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+  const int64_t K = w.K;
+  const int64_t CB = std::max<int64_t>(4, std::min<int64_t>(64, (65536 / K) / 4 * 4));
+  const int64_t tasks = (N + CB - 1) / CB;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    AlignedFloats panel(CB * K);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * CB, nc = std::min<int64_t>(CB, N - n0);
+      for (int64_t c = 0; c < nc; ++c) widen_column(w, n0 + c, panel.p + c * K);
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4)
+        for (int64_t c = 0; c < nc; c += 4) tile<4>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
+      for (int64_t c = 0; c < nc && t < T; c += 4) {
+        const int64_t left = T - t;
+        if (left == 3) tile<3>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
+        if (left == 2) tile<2>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
+        if (left == 1) tile<1>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
+      }
+    }
+  });
+}
+
+at::Tensor packed_linear(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const at::Tensor& scale,
+                         const at::Tensor& minv, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2, "packed_linear needs x (T, K), got ", x.sizes());
+  const int64_t T = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % 32 == 0 && N % 4 == 0, "packed_linear needs K % 32 == 0 and N % 4 == 0, got K=", K,
+              " N=", N);
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == N, "weight must be contiguous with ", N, " rows");
+  Weights w{kind, K, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (kind == kQ4) {
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) == K / 2, "int4 weight must be uint8 (N, K/2)");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && minv.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                    minv.is_contiguous() && scale.numel() == N * (K / 32) && minv.numel() == N * (K / 32),
+                "int4 scale and min must be contiguous float32 (N, K/32)");
+    w.q4 = weight.data_ptr<uint8_t>();
+    w.scale = scale.data_ptr<float>();
+    w.minv = minv.data_ptr<float>();
+  } else if (kind == kQ8) {
+    TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == K, "int8 weight must be int8 (N, K)");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+                "int8 scale must be contiguous float32 (N,)");
+    w.q8 = weight.data_ptr<int8_t>();
+    w.scale = scale.data_ptr<float>();
+  } else {
+    TORCH_CHECK(kind == kBF16, "unknown weight kind ", kind);
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(1) == K, "bf16 weight must be (N, K)");
+    w.bf16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,)");
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K)
+  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#ifdef __AVX512F__
+  const bool direct = T <= kDirectRows;
+#else
+  const bool direct = false;
+#endif
+  if (direct) {
+    gemm_direct(xp, w, T, N, op);
+  } else {
+    gemm_panel(xp, w, T, N, op);
+  }
+  if (kind == kQ8) out.mul_(scale.view({1, N}));
+  if (bias) out.add_(bias->to(at::kFloat).view({1, N}));
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stallfree_cpu, m) {
@@ -362,6 +632,9 @@ TORCH_LIBRARY(stallfree_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "packed_linear(Tensor x, int kind, Tensor weight, Tensor scale, Tensor minv, Tensor? bias, "
+      "int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
@@ -370,4 +643,5 @@ TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("store_kv", &store_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("packed_linear", &packed_linear);
 }
