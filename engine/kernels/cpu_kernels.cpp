@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -379,15 +380,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // code * scale + min, the 32 codes of a group in 16 bytes, byte j holding codes j (low nibble) and j + 16
 // (high)), int8 with one scale per output row (w = code * scale), or bf16.
 //
-// NOTE: same request, same answer. Every output y[t, n] is one fixed sequence of float32 operations: the
-// weights of column n widened to float32 the same way whatever the batch, 16 lanes where lane j adds
-// x[t, k] * w[k] for k = j, j + 16, ... in order (one FMA each), then the lanes summed in a fixed tree.
-// How many rows share the call only changes which rows are computed together, never how one row is, so a
-// token's logits do not depend on its batch, its chunk or a prefix-cache hit (the kernels this replaces
-// switched to another GEMM by row count, and the two rounded differently).
+// NOTE: same request, same answer. Every output y[t, n] is one fixed sequence of operations: the weights
+// of column n widened the same way whatever the batch, 16 float32 lanes where lane j accumulates its share
+// of k in ascending order, then the lanes summed in a fixed tree. How many rows share the call only changes
+// which rows are computed together, never how one row is, so a token's logits do not depend on its batch,
+// its chunk or a prefix-cache hit (the kernels this replaces switched to another GEMM by row count, and the
+// two rounded differently).
 //
-// Speed: the weights are read once per call for all rows (activations batched), widened into a float32
-// panel of CB columns that stays in L2 while every row passes over it in 4 x 4 register tiles.
+// Two instruction sets, one per machine (the build is -march=native, so a machine always uses the same):
+// - AVX512-BF16 (the default on CPUs that have it): weights widened to float32 and rounded once to bf16,
+//   multiplied with the bf16 activations by vdpbf16ps (lane j adds the products of k = 32s + 2j, 32s + 2j
+//   + 1 for s = 0, 1, ...): twice the multiply rate of float32 FMAs and half the bytes;
+// - otherwise float32 FMAs on the bf16 activations (lane j adds k = j, j + 16, ...).
+// Speed: the weights are read once per call for all rows (activations batched). Few rows (<= kDirectRows)
+// multiply straight from the compact weights; more rows share a widened panel of CB columns that stays in
+// L2 while every row passes over it in 4 x 4 register tiles. Both give the same bits.
 
 enum WeightKind : int64_t { kQ4 = 0, kQ8 = 1, kBF16 = 2 };
 
@@ -400,38 +407,6 @@ struct Weights {
   const float* minv;      // (N, K / 32) for int4
 };
 
-// Column n's K weights as float32 into dst.
-void widen_column(const Weights& w, int64_t n, float* dst) {
-  const int64_t K = w.K;
-  if (w.kind == kQ4) {
-    const uint8_t* b = w.q4 + n * (K / 2);
-    const float* sc = w.scale + n * (K / 32);
-    const float* mn = w.minv + n * (K / 32);
-    for (int64_t g = 0; g < K / 32; ++g) {
-#ifdef __AVX512F__
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + g * 16));
-      const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-      const __m512 s = _mm512_set1_ps(sc[g]), m = _mm512_set1_ps(mn[g]);
-      _mm512_storeu_ps(dst + g * 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m));
-      _mm512_storeu_ps(dst + g * 32 + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m));
-#else
-      for (int j = 0; j < 16; ++j) {
-        dst[g * 32 + j] = std::fma(static_cast<float>(b[g * 16 + j] & 15), sc[g], mn[g]);
-        dst[g * 32 + 16 + j] = std::fma(static_cast<float>(b[g * 16 + j] >> 4), sc[g], mn[g]);
-      }
-#endif
-    }
-  } else if (w.kind == kQ8) {
-    const int8_t* c = w.q8 + n * K;
-    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(c[k]);
-  } else {
-    const uint16_t* c = w.bf16 + n * K;
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    for (int64_t k = 0; k < K; ++k) d[k] = static_cast<uint32_t>(c[k]) << 16;
-  }
-}
-
 inline float lane_tree(const float* lane) {
   float l[16];
   for (int j = 0; j < 16; ++j) l[j] = lane[j];
@@ -440,41 +415,63 @@ inline float lane_tree(const float* lane) {
   return l[0];
 }
 
-// R rows x 4 columns: x rows (R, K) float32 at stride K, weight panel columns (4, K) at stride K.
-template <int R>
-void tile(const float* x, const float* wp, int64_t K, float* out, int64_t out_stride) {
-#ifdef __AVX512F__
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wp + c * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
+// Rows up to which the weights are widened in registers per row tile instead of into a shared panel.
+constexpr int64_t kDirectRows = 8;
+
+struct AlignedBuffer {
+  void* p = nullptr;
+  explicit AlignedBuffer(int64_t bytes) {
+    if (posix_memalign(&p, 64, std::max<int64_t>(bytes, 64))) p = nullptr;
+    TORCH_CHECK(p != nullptr, "out of memory for a ", bytes, "-byte buffer");
   }
-  alignas(64) float lane[16];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) {
-      _mm512_store_ps(lane, acc[r][c]);
-      out[r * out_stride + c] = lane_tree(lane);
-    }
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) {
-      float lane[16] = {0.f};
-      for (int64_t k = 0; k < K; k += 16)
-        for (int j = 0; j < 16; ++j) lane[j] = std::fma(x[r * K + k + j], wp[c * K + k + j], lane[j]);
-      out[r * out_stride + c] = lane_tree(lane);
-    }
-#endif
+  ~AlignedBuffer() { free(p); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+// The activations as bf16 rows; a step covers 32 k.
+using act_t = uint16_t;
+constexpr int64_t kStep = 32;
+using wvec_t = __m512bh;
+
+// Weights k .. k + 31 (k a multiple of 32) of column n: widened to float32, then rounded to bf16.
+inline __m512bh widen_step(const Weights& w, int64_t n, int64_t k) {
+  const int64_t K = w.K;
+  if (w.kind == kQ4) {
+    const int64_t g = k / 32;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + n * (K / 2) + g * 16));
+    const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+    const __m512 s = _mm512_set1_ps(w.scale[n * (K / 32) + g]), m = _mm512_set1_ps(w.minv[n * (K / 32) + g]);
+    const __m512 wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
+    const __m512 wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
+    return _mm512_cvtne2ps_pbh(wh, wl);  // elements 0..15 from wl (k..k+15), 16..31 from wh
+  }
+  if (w.kind == kQ8) {  // |code| <= 127 is exact in bf16
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k + 16));
+    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)));
+  }
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w.bf16 + n * K + k));
 }
 
-#ifdef __AVX512F__
-// Weights k .. k + 15 of column n as float32, widened exactly as widen_column does (same bits).
-inline __m512 widen16(const Weights& w, int64_t n, int64_t k) {
+inline void store_step(act_t* dst, __m512bh v) { _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(v)); }
+inline __m512bh load_w(const act_t* src) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src)); }
+inline __m512 mac(__m512 acc, const act_t* x, __m512bh wv) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)), wv);
+}
+
+#elif defined(__AVX512F__)
+
+using act_t = float;
+constexpr int64_t kStep = 16;
+using wvec_t = __m512;
+
+// Weights k .. k + 15 (k a multiple of 16) of column n as float32.
+inline __m512 widen_step(const Weights& w, int64_t n, int64_t k) {
   const int64_t K = w.K;
   if (w.kind == kQ4) {
     const int64_t g = k / 32;
@@ -492,21 +489,32 @@ inline __m512 widen16(const Weights& w, int64_t n, int64_t k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
 }
 
-// R rows x 4 columns straight from the compact weights (no panel): for few rows, where widening the
-// weights once per row tile costs less than writing and rereading a panel. Same operations as tile<R>.
-template <int R>
-void tile_direct(const float* x, const Weights& w, int64_t n0, float* out, int64_t out_stride) {
+inline void store_step(act_t* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline __m512 load_w(const act_t* src) { return _mm512_loadu_ps(src); }
+inline __m512 mac(__m512 acc, const act_t* x, __m512 wv) { return _mm512_fmadd_ps(_mm512_loadu_ps(x), wv, acc); }
+
+#endif
+
+#ifdef __AVX512F__
+
+// Column n's K weights, widened as widen_step does, into dst.
+void widen_column(const Weights& w, int64_t n, act_t* dst) {
+  for (int64_t k = 0; k < w.K; k += kStep) store_step(dst + k, widen_step(w, n, k));
+}
+
+// R rows x 4 columns. Direct: the weights widened in registers from the compact form; else from a panel
+// (4 columns at stride K). The same operations either way.
+template <int R, bool kDirect>
+void tile(const act_t* x, const Weights& w, int64_t n0, const act_t* wp, float* out, int64_t out_stride) {
   const int64_t K = w.K;
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = widen16(w, n0 + c, k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
+  for (int64_t k = 0; k < K; k += kStep) {
+    wvec_t wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = kDirect ? widen_step(w, n0 + c, k) : load_w(wp + c * K + k);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = mac(acc[r][c], x + r * K + k, wv[c]);
   }
   alignas(64) float lane[16];
   for (int r = 0; r < R; ++r)
@@ -515,62 +523,75 @@ void tile_direct(const float* x, const Weights& w, int64_t n0, float* out, int64
       out[r * out_stride + c] = lane_tree(lane);
     }
 }
-#endif
 
-// Rows up to which tile_direct is used (see there).
-constexpr int64_t kDirectRows = 8;
-
-void gemm_direct(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
-#ifdef __AVX512F__
+// Rows t .. T-1 of 4 columns, 4 rows at a time then the rest.
+template <bool kDirect>
+void rows(const act_t* xp, const Weights& w, int64_t T, int64_t n0, const act_t* wp, float* op, int64_t N) {
   const int64_t K = w.K;
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t cb = begin; cb < end; ++cb) {
-      const int64_t n0 = cb * 4;
-      int64_t t = 0;
-      for (; t + 4 <= T; t += 4) tile_direct<4>(xp + t * K, w, n0, op + t * N + n0, N);
-      const int64_t left = T - t;
-      if (left == 3) tile_direct<3>(xp + t * K, w, n0, op + t * N + n0, N);
-      if (left == 2) tile_direct<2>(xp + t * K, w, n0, op + t * N + n0, N);
-      if (left == 1) tile_direct<1>(xp + t * K, w, n0, op + t * N + n0, N);
-    }
-  });
-#endif
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) tile<4, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  const int64_t left = T - t;
+  if (left == 3) tile<3, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  if (left == 2) tile<2, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  if (left == 1) tile<1, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
 }
 
-struct AlignedFloats {
-  float* p = nullptr;
-  explicit AlignedFloats(int64_t n) {
-    if (posix_memalign(reinterpret_cast<void**>(&p), 64, std::max<int64_t>(n, 16) * sizeof(float))) p = nullptr;
-    TORCH_CHECK(p != nullptr, "out of memory for a ", n, "-float buffer");
-  }
-  ~AlignedFloats() { free(p); }
-  AlignedFloats(const AlignedFloats&) = delete;
-  AlignedFloats& operator=(const AlignedFloats&) = delete;
-};
-
-// Many rows: per task a panel of CB columns widened once (<= 256 KiB of float32, it stays in L2), every row
-// tile passing over it.
-void gemm_panel(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+void gemm(const act_t* xp, const Weights& w, int64_t T, int64_t N, float* op) {
   const int64_t K = w.K;
-  const int64_t CB = std::max<int64_t>(4, std::min<int64_t>(64, (65536 / K) / 4 * 4));
-  const int64_t tasks = (N + CB - 1) / CB;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    AlignedFloats panel(CB * K);
+  if (T <= kDirectRows) {
+    at::parallel_for(0, N / 4, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
+      for (int64_t cb = begin; cb < end; ++cb) rows<true>(xp, w, T, cb * 4, nullptr, op, N);
+    });
+    return;
+  }
+  // Columns per task: a panel of CB x K widened weights (<= 256 KiB) stays in L2 for all the rows.
+  const int64_t CB = std::max<int64_t>(4, std::min<int64_t>(64, (262144 / (K * sizeof(act_t))) / 4 * 4));
+  at::parallel_for(0, (N + CB - 1) / CB, 1, [&](int64_t begin, int64_t end) {
+    AlignedBuffer panel(CB * K * sizeof(act_t));
+    act_t* pp = static_cast<act_t*>(panel.p);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n0 = task * CB, nc = std::min<int64_t>(CB, N - n0);
-      for (int64_t c = 0; c < nc; ++c) widen_column(w, n0 + c, panel.p + c * K);
-      int64_t t = 0;
-      for (; t + 4 <= T; t += 4)
-        for (int64_t c = 0; c < nc; c += 4) tile<4>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
-      for (int64_t c = 0; c < nc && t < T; c += 4) {
-        const int64_t left = T - t;
-        if (left == 3) tile<3>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
-        if (left == 2) tile<2>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
-        if (left == 1) tile<1>(xp + t * K, panel.p + c * K, K, op + t * N + n0 + c, N);
+      for (int64_t c = 0; c < nc; ++c) widen_column(w, n0 + c, pp + c * K);
+      // A tile of 4 rows (in L1) passes over the whole panel (in L2) before the next rows come in.
+      for (int64_t t = 0; t < T; t += 4) {
+        const int64_t rt = std::min<int64_t>(4, T - t);
+        for (int64_t c = 0; c < nc; c += 4) rows<false>(xp + t * K, w, rt, n0 + c, pp + c * K, op + t * N, N);
       }
     }
   });
 }
+
+#else
+
+// Without AVX-512: float32 FMAs lane by lane, in the order of the float32 AVX-512 path.
+void gemm_scalar(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+  const int64_t K = w.K;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> col(K);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t k = 0; k < K; ++k) {
+        if (w.kind == kQ4) {
+          const uint8_t b = w.q4[n * (K / 2) + (k / 32) * 16 + (k % 16)];
+          const float code = static_cast<float>((k % 32) < 16 ? (b & 15) : (b >> 4));
+          col[k] = std::fma(code, w.scale[n * (K / 32) + k / 32], w.minv[n * (K / 32) + k / 32]);
+        } else if (w.kind == kQ8) {
+          col[k] = static_cast<float>(w.q8[n * K + k]);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(w.bf16[n * K + k]) << 16;
+          std::memcpy(&col[k], &bits, 4);
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        float lane[16] = {0.f};
+        for (int64_t k = 0; k < K; k += 16)
+          for (int j = 0; j < 16; ++j) lane[j] = std::fma(xp[t * K + k + j], col[k + j], lane[j]);
+        op[t * N + n] = lane_tree(lane);
+      }
+    }
+  });
+}
+
+#endif
 
 at::Tensor packed_linear(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const at::Tensor& scale,
                          const at::Tensor& minv, const c10::optional<at::Tensor>& bias, int64_t out_features) {
@@ -603,20 +624,17 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t kind, const at::Tensor& we
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,)");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (T, K)
   at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-#ifdef __AVX512F__
-  const bool direct = T <= kDirectRows;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const at::Tensor xa = x.to(at::kBFloat16).contiguous();  // (T, K) bf16
+  gemm(reinterpret_cast<const act_t*>(xa.data_ptr<at::BFloat16>()), w, T, N, out.data_ptr<float>());
+#elif defined(__AVX512F__)
+  const at::Tensor xa = x.to(at::kFloat).contiguous();  // (T, K) float32
+  gemm(xa.data_ptr<float>(), w, T, N, out.data_ptr<float>());
 #else
-  const bool direct = false;
+  const at::Tensor xa = x.to(at::kFloat).contiguous();
+  gemm_scalar(xa.data_ptr<float>(), w, T, N, out.data_ptr<float>());
 #endif
-  if (direct) {
-    gemm_direct(xp, w, T, N, op);
-  } else {
-    gemm_panel(xp, w, T, N, op);
-  }
   if (kind == kQ8) out.mul_(scale.view({1, N}));
   if (bias) out.add_(bias->to(at::kFloat).view({1, N}));
   return out.to(x.scalar_type());

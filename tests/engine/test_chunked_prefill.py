@@ -74,6 +74,15 @@ def _chunk_sees_only_itself(out, block_size, device, paged_decodes=False):
     )
 
 
+def _chunk_rows_see_only_themselves(out, block_size, device, paged_decodes=False):
+    """The cpu backend's rows: each chunk token sees only the chunk's keys (a history cut at its start)."""
+    meta = ORIG_BUILD(out, block_size, device, paged_decodes)
+    if meta.decode_lens is not None:
+        starts = torch.cat([torch.full((c.num_tokens,), c.start) for c in out.chunks])
+        meta.decode_lens.sub_(starts.to(torch.int32))  # keys 0 .. offset-in-chunk: the wrong ones
+    return meta
+
+
 def _sees_the_future(self, q, keys, vals, context_len):
     return ORIG_PREFILL(self, q, keys, vals, context_len + q.shape[0])
 
@@ -88,14 +97,23 @@ ORIG_PREFILL = attention_mod.TorchAttention._prefill
     [
         (runner_mod, "flatten_batch", _restart_positions),
         (runner_mod, "build_metadata", _chunk_sees_only_itself),
+        (runner_mod, "build_metadata", _chunk_rows_see_only_themselves),
         (attention_mod.TorchAttention, "_prefill", _sees_the_future),
     ],
-    ids=["positions-restart-per-chunk", "chunk-sees-only-itself", "chunk-sees-its-future"],
+    ids=[
+        "positions-restart-per-chunk",
+        "chunk-sees-only-itself",
+        "cpu-chunk-rows-see-only-themselves",
+        "chunk-sees-its-future",
+    ],  # fmt: skip
 )
 def test_the_comparison_catches_broken_chunking(default_model, one_shot, monkeypatch, target, attr, mutant):
     monkeypatch.setattr(target, attr, mutant)
     ids = prompt_ids(default_model.tokenizer, 300)
-    logits, _ = first_logits_and_greedy(default_model, ids, token_budget=64)
+    # The span mutants break the torch backend's prefill spans (the cpu backend attends every row through
+    # its paged kernel; _chunk_rows_see_only_themselves is its mutant).
+    backend = "torch" if mutant in (_chunk_sees_only_itself, _sees_the_future) else "auto"
+    logits, _ = first_logits_and_greedy(default_model, ids, token_budget=64, attention_backend=backend)
     diff = (logits - one_shot[300][0]).abs().max().item()
     assert diff > 100 * ATOL, f"a broken chunked prefill went unnoticed (diff {diff})"
 
