@@ -107,7 +107,7 @@ def test_streamed_and_not_over_http(model, prompts, alone_and_cached):
     server = start_server(model, **DEFAULT_MODE)
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        kw = dict(model="default", max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+        kw = dict(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
                   extra_body={"ignore_eos": True})  # fmt: skip
         for k, p in enumerate(prompts):
             plain = client.completions.create(prompt=p, **kw).choices[0]
