@@ -265,6 +265,40 @@ inline float ordered_sum(const float* a, int64_t n) {
   return lane[0];
 }
 
+// s[i] = exp(s[i] - mx) for i < n. With AVX-512: 16 at a time (a masked tail), Cephes' expf polynomial
+// after a Cody-Waite reduction (~1 ulp), each element's result a function of its value alone (so of no
+// position, batch or buffer); 3-4x faster than libm's scalar expf, which was most of a chunk's attention.
+#ifdef __AVX512F__
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+inline void exp_shifted(float* s, int64_t n, float mx) {
+#ifdef __AVX512F__
+  const __m512 m = _mm512_set1_ps(mx);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(k, s + i);
+    _mm512_mask_storeu_ps(s + i, k, exp512(_mm512_sub_ps(x, m)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] = std::exp(s[i] - mx);
+#endif
+}
+
 // ---- decode attention over the paged cache ----------------------------------------------------------
 
 // One task = one decode x one KV head: the group's query heads share each key and value row as it is
@@ -310,7 +344,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        for (int64_t t = 0; t < len; ++t) sg[t] = std::exp(sg[t] - mx);
+        exp_shifted(sg, len, mx);
         denom[g] = ordered_sum(sg, len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
