@@ -142,11 +142,7 @@ class CudaModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         hb = host_batch(out, self.block_size)
-        reqs = [
-            SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens)
-            for c in out.chunks
-            if c.sample
-        ]
+        reqs = [SampleRequest.of(c, out.allowed_tokens.get(c.request_id)) for c in out.chunks if c.sample]
         if self.graphs is not None and hb.decode_only and self.graphs.padded(hb.num_decodes) is not None:
             t1 = time.perf_counter()
             logits = self.graphs.run(hb)  # (D, V): every decode samples

@@ -25,6 +25,7 @@ from stallfree.engine.outputs import IterationStats, RequestOutput
 from stallfree.engine.request import Request, RequestStatus
 from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.scheduler import Scheduler
+from stallfree.engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,21 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
+def resolve_max_model_len(requested: int | None, model_len: int) -> int:
+    """The context length to serve: `requested` (vLLM's --max-model-len) or, when None, the model's own.
+
+    Raises ValueError when it exceeds the model's (its RoPE tables and training stop there), as vLLM does.
+    """
+    if requested is None:
+        return model_len
+    if requested > model_len:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's context length {model_len} "
+            "(max_position_embeddings in its config): give at most that, or leave it unset"
+        )
+    return requested
+
+
 class LLMEngine:
     """Owns the scheduler, the model runner and the request table."""
 
@@ -101,9 +117,7 @@ class LLMEngine:
         mc = self.loaded.config
         self.model_config = mc
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
         self.num_kv_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(
@@ -115,6 +129,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = self._make_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.stats_listeners: list[StatsListener] = []
         self.clock: Callable[[], float] = time.monotonic
         self.last_stats: IterationStats | None = None
@@ -232,6 +247,9 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the model's context (max_model_len) is "
@@ -243,6 +261,8 @@ class LLMEngine:
                 f"the prompt needs {need} KV-cache blocks but the cache has {self.num_kv_blocks}: "
                 "shorten the prompt or give the KV cache more memory"
             )
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
 
     def add_request(
         self,
@@ -271,6 +291,8 @@ class LLMEngine:
             priority=priority,
         )
         self.scheduler.add_request(req)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs)
         self.outputs.add(req)
         return req
 
@@ -292,6 +314,7 @@ class LLMEngine:
         out = self.outputs.make_output(req)
         self.outputs.drop(req.request_id)
         self.runner.release(req.request_id)
+        self.structured.release(req.request_id)
         return out
 
     # ---- the loop --------------------------------------------------------------------------------------
@@ -303,6 +326,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._mark_scheduled(sched)
+        sched = self.structured.attach_masks(sched)  # filled in the background while the model runs
         try:
             run = self.runner.execute(sched)
         except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
@@ -327,6 +351,8 @@ class LLMEngine:
             if req is None:
                 continue
             status = self.outputs.append_token(req, res, now)
+            if rid in self.structured:
+                status = self._advance_grammar(req, res.token_id, status)
             if status is not None:
                 self.scheduler.finish_request(rid, status)
                 results.append(self._finalize(req))
@@ -340,6 +366,19 @@ class LLMEngine:
         for listener in self.stats_listeners:
             listener(stats, results)
         return results
+
+    def _advance_grammar(
+        self, req: Request, token_id: int, status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """Feed a constrained request's token to its grammar; it ends where the grammar has terminated."""
+        if not self.structured.accept(req.request_id, token_id):
+            # NOTE: cannot happen for a masked row; a sign of a vocabulary/grammar mismatch, so fail loudly.
+            req.error = f"the sampled token {token_id} does not fit the request's grammar"
+            logger.error("%s: %s", req.request_id, req.error)
+            return RequestStatus.FINISHED_ERROR
+        if status is None and self.structured.is_terminated(req.request_id):
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _fail(self, sched, message: str) -> list[RequestOutput]:
         outs = []

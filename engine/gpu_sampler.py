@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from stallfree.engine.sampler import Sampler, SampleRequest, SampleResult
+from stallfree.engine.penalties import to_device
+from stallfree.engine.sampler import Sampler, SampleRequest, SampleResult, mask_disallowed, min_p_mask
 
 
 class GpuSampler(Sampler):
@@ -35,6 +36,8 @@ class GpuSampler(Sampler):
             logits = logits.index_put(
                 (idx[0], idx[1]), torch.full((len(ban_rows),), float("-inf"), device=dev)
             )
+        mask_disallowed(logits, reqs)  # the grammar first, as vLLM: penalties never revive a masked token
+        logits = self.penalties.apply(logits, reqs)
         tokens = torch.argmax(logits, dim=-1)  # (N,) greedy for every row; random rows replaced below
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
@@ -49,7 +52,9 @@ class GpuSampler(Sampler):
                 vals, ids = torch.topk(logprobs, k, dim=-1)  # (N, k)
                 parts += [ids.double(), vals.double()]
         host = torch.cat(parts, dim=1).cpu()  # NOTE: the iteration's one synchronisation
-        return [self._result(row, r, k, need_lp) for row, r in zip(host.tolist(), reqs, strict=True)]
+        results = [self._result(row, r, k, need_lp) for row, r in zip(host.tolist(), reqs, strict=True)]
+        self.penalties.record(reqs, [res.token_id for res in results])
+        return results
 
     @staticmethod
     def _result(vals: list[float], req: SampleRequest, k: int, need_lp: bool) -> SampleResult:
@@ -66,11 +71,14 @@ class GpuSampler(Sampler):
         dev = logits.device
         params = [reqs[i].params for i in rows]
         host = torch.tensor(
-            [[p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p] for p in params], dtype=torch.float32
+            [[p.temperature, p.top_k if p.top_k > 0 else 0, p.top_p, p.min_p] for p in params],
+            dtype=torch.float32,
         )
-        temp, top_k, top_p = to_device(host, dev).unbind(1)
+        temp, top_k, top_p, min_p = to_device(host, dev).unbind(1)
         sel = to_device(torch.tensor(rows, dtype=torch.int64), dev)
         x = logits.index_select(0, sel) / temp[:, None]  # (R, V)
+        if any(p.min_p > 0 for p in params):
+            x = x.masked_fill(min_p_mask(x, min_p), float("-inf"))
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
             x = _top_k_top_p(x, top_k.long(), top_p)
         probs = torch.softmax(x, dim=-1)
@@ -82,13 +90,6 @@ class GpuSampler(Sampler):
             for j, i in enumerate(rows):
                 noise[j].exponential_(generator=self._generator(reqs[i]))
         return tokens.index_copy(0, sel, torch.argmax(probs / noise, dim=-1))
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> device without a synchronisation (through pinned memory on CUDA)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

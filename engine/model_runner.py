@@ -73,7 +73,7 @@ class ModelRunner:
             offset += c.num_tokens
             if c.sample:
                 sample_rows.append(offset - 1)  # the chunk's last token predicts the next one
-                sample_reqs.append(SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens))
+                sample_reqs.append(SampleRequest.of(c, out.allowed_tokens.get(c.request_id)))
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, attend)  # (T, hidden)
         logits = None

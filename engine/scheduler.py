@@ -16,8 +16,9 @@ Policies (SchedulerConfig.policy):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from stallfree.engine.block_manager import BlockManager
 from stallfree.engine.config import SchedulerConfig, SchedulerTunables
@@ -42,6 +43,9 @@ class ScheduledChunk:
     traffic_cluster: str
     sampling_params: SamplingParams
     num_output_tokens: int  # outputs generated before this step (for min_tokens, seeds)
+    # The prompt, sent once: with the first sample of a request with a repetition penalty (the sampler keeps
+    # the penalty history of each such request from then on). Empty otherwise.
+    penalty_prompt: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +64,9 @@ class SchedulerOutput:
     # Prefix cache lookups of the requests admitted this iteration: (traffic cluster, prompt tokens looked
     # up, tokens found cached), one entry per admission.
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
+    # Structured outputs: request id -> the token mask its sampled row must obey (a sampler.AllowedTokens).
+    # The scheduler leaves it empty; the engine attaches the masks of constrained requests after scheduling.
+    allowed_tokens: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -433,6 +440,7 @@ class Scheduler:
                     traffic_cluster=req.traffic_cluster,
                     sampling_params=req.sampling_params,
                     num_output_tokens=len(req.output_token_ids),
+                    penalty_prompt=_penalty_prompt(req, start + n),
                 )
             )
         for req, n in ordered:
@@ -445,3 +453,11 @@ class Scheduler:
             num_decode_tokens=n_decode,
             prefix_cache=tuple(batch.prefix_cache),
         )
+
+
+def _penalty_prompt(req: Request, end: int) -> tuple[int, ...]:
+    """The prompt for the sampler's repetition-penalty history: only with a request's first sample."""
+    p = req.sampling_params
+    if p.repetition_penalty == 1.0 or req.output_token_ids or end != req.num_tokens:
+        return ()
+    return tuple(req.prompt_token_ids)

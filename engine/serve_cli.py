@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS
+from stallfree.engine.server.tool_calls.parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ examples:
 """
 
 
-SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "tiny-hd128")  # stallfree.engine.model.dummy.SHAPES
+# stallfree.engine.model.dummy.SHAPES, without importing torch (for --help)
+SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "qwen3-8b", "tiny-hd128")
 
 
 def add_load_format_args(group) -> None:
@@ -86,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default: the "
-                   "bundled SmolLM2-135M-Instruct")  # fmt: skip
+    m.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or hf://ORG/NAME[@REV] "
+                   "(downloaded once, see `stallfree download`); default: the bundled SmolLM2-135M-Instruct")  # fmt: skip
+    m.add_argument("--download-dir", default=None, help="model cache for hf:// models (default "
+                   "~/.cache/stallfree/models or $STALLFREE_DOWNLOAD_DIR)")  # fmt: skip
     add_load_format_args(m)
     m.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/activations/KV dtype (auto: "
                    "bf16; on the CPU float32 is the exact reference, docs/engine.md)")  # fmt: skip
@@ -96,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "on GPU)")  # fmt: skip
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS "
                    "if set, else every core this process may use)")  # fmt: skip
-    m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    m.add_argument("--max-model-len", type=int, default=None, help="context length: prompt + max_tokens "
+                   "beyond it get 400 context_length_exceeded (default, and at most: the model's)")  # fmt: skip
+    m.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None, help="the name(s) clients "
+                   "send as `model`; the first is the one responses and metrics carry (default: the model "
+                   "folder's or file's name)")  # fmt: skip
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="auto: on CUDA the "
                    "Triton kernels in bf16/fp16 and torch in fp32; on the CPU the C++ kernels (cpu, built once "
@@ -153,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--iteration-log", metavar="FILE", default=None, help="append one JSON line per engine "
                    "iteration (its chunks and timing) to FILE, to fit a cost model to this server with "
                    "`stallfree profile --from-log FILE`")  # fmt: skip
+    h.add_argument("--tool-call-parser", choices=("auto", *TOOL_PARSERS), default="auto", help="how tool "
+                   "calls are read from the model's output with tool_choice auto: hermes (<tool_call> "
+                   "blocks, Hermes/Qwen) or llama3_json (Llama 3.1 JSON); auto picks it from the chat "
+                   "template (hermes when the template has no tool format)")  # fmt: skip
     return p
 
 
@@ -216,7 +228,16 @@ def build_configs(args: argparse.Namespace):
         raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    names = tuple(args.served_model_name or ())
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name takes distinct non-empty names, got {list(names)}")
     model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+    if load_format == "auto" and model and model.startswith("hf://"):
+        from stallfree.engine.hub import resolve_model  # noqa: PLC0415
+
+        model = str(resolve_model(model, args.download_dir))
     if load_format == "auto" and model == DEFAULT_MODEL_NAME:
         model = None
     if load_format == "auto" and model is not None and not Path(model).expanduser().exists():
@@ -271,6 +292,8 @@ def build_configs(args: argparse.Namespace):
         stats_window_s=args.stats_window,
         drain_timeout_s=args.drain_timeout,
         iteration_log=args.iteration_log,
+        served_model_names=names,
+        tool_call_parser=args.tool_call_parser,
     )
     return engine_config, settings
 

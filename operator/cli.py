@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prometheus the budget controller reads when a resource sets no spec.controller.prometheusUrl",
     )
     p.add_argument(
+        "--hf-endpoint",
+        default=os.environ.get("HF_ENDPOINT") or None,
+        help="Hugging Face Hub URL for HuggingFace model sources that set no spec.model.source.endpoint "
+        "(env HF_ENDPOINT; default: the public hub)",
+    )
+    p.add_argument(
         "--resync-seconds", type=float, default=30.0,
         help="period of the drift-correcting timer per resource (default %(default)s)",
     )  # fmt: skip
@@ -54,6 +60,7 @@ def main(argv: list[str]) -> int:
         engine_image=args.engine_image,
         prometheus_url=args.prometheus_url,
         resync_seconds=args.resync_seconds,
+        hub_endpoint=args.hf_endpoint,
     )
     # kopf is imported here so that `stallfree operator --help` works without it.
     import kopf

@@ -7,6 +7,7 @@ period among them) are read once and passed down. A per-resource timer for the b
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -39,6 +40,13 @@ def _invalid_spec_status(body: dict, message: str) -> dict:
     }
 
 
+def _api_message(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{e.status} {e.reason}"
+
+
 def _run(reconciler: Reconciler, body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
     def record(reason: str, message: str) -> None:
         logger.info("%s", message)
@@ -51,6 +59,15 @@ def _run(reconciler: Reconciler, body: kopf.Body, patch: kopf.Patch, logger: Any
         kopf.warn(body, reason="InvalidSpec", message=str(e))
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     except ApiException as e:
+        detail = _api_message(e)
+        # The API server refused a child built from the spec (e.g. a spec.pod.affinity whose insides only the
+        # pod schema checks): 422 when a value is invalid, 500 "failed to create typed patch object" when
+        # server-side apply meets a wrong type. Say so on the resource, and retry slowly.
+        if e.status == 422 or (e.status == 500 and "failed to create typed patch object" in detail):
+            message = f"the API server refused a child: {detail}"
+            patch.status.update(_invalid_spec_status(dict(body), message))
+            kopf.warn(body, reason="InvalidSpec", message=message)
+            raise kopf.TemporaryError(message, delay=60) from e
         # Conflicts, throttling, a webhook or API server hiccup, or missing RBAC: try again shortly.
         raise kopf.TemporaryError(f"Kubernetes API error {e.status}: {e.reason}", delay=10) from e
     if differs(body.get("status"), status):

@@ -26,6 +26,9 @@ from stallfree.operator.builders.meta import (
     selector_string,
 )
 from stallfree.operator.kube import Kube
+from stallfree.operator.model_source import ModelSourceReader, SourceFacts
+from stallfree.operator.model_status import model_condition, model_status
+from stallfree.operator.sizing import Sizing, size
 from stallfree.operator.spec import SarathiSpec, parse_spec
 from stallfree.operator.status import Observed, status_patch
 
@@ -59,6 +62,8 @@ class OperatorConfig:
     prometheus_url: str | None = None
     resync_seconds: float = 30.0  # drift-correcting timer period
     features_ttl_seconds: float = 60.0  # how long a look at optional APIs (ServiceMonitor, LWS) is trusted
+    hub_endpoint: str | None = None  # HF_ENDPOINT for HuggingFace sources that set no model.source.endpoint
+    hub_timeout_seconds: float = 10.0  # per hub call when reading a model's config at reconcile
 
 
 class Reconciler:
@@ -66,6 +71,7 @@ class Reconciler:
         self.kube = kube
         self.config = config
         self._features: tuple[float, Features] | None = None
+        self.model_sources = ModelSourceReader(kube, config.hub_endpoint, timeout=config.hub_timeout_seconds)
 
     # ---- inputs -------------------------------------------------------------------------------------
     def features(self) -> Features:
@@ -80,13 +86,22 @@ class Reconciler:
 
     def context(self, body: dict, spec: SarathiSpec | None = None) -> BuildContext:
         spec = spec or parse_spec(body.get("spec") or {})
+        raw_spec = dict(body.get("spec") or {})
+        facts = None
+        if spec.model.source.type == "HuggingFace":
+            namespace = body["metadata"]["namespace"]
+            facts = self.model_sources.read(namespace, spec.model.source, body.get("status"))
+        spec, sizing = sized_spec(spec, raw_spec, facts)
         return BuildContext(
             owner=Owner.from_body(body),
             spec=spec,
-            raw_spec=dict(body.get("spec") or {}),
+            raw_spec=raw_spec,
             engine_image=spec.engine.image or self.config.engine_image,
             tuned=Tuned.from_status(body.get("status")),
             features=self.features(),
+            hub_endpoint=self.config.hub_endpoint,
+            model=facts,
+            sizing=sizing,
         )
 
     # ---- writes -------------------------------------------------------------------------------------
@@ -140,15 +155,21 @@ class Reconciler:
         pods = self.kube.list("v1", "Pod", ns, selector_string(owner))
         unschedulable, failing = _pod_problems(pods)
         port = spec.engine.port
+        extra = {
+            "selector": selector_string(owner),
+            "endpoint": f"http://{owner.name}.{ns}.svc:{port}/v1",
+            "tensorParallel": spec.parallelism.tensor,  # the TP column: sized values show too
+        }
+        model = model_status(ctx)
+        if model is not None:
+            extra["model"] = model
         return Observed(
             generation=generation,
             desired=desired,
             unschedulable=unschedulable,
             failing=failing,
-            extra={
-                "selector": selector_string(owner),
-                "endpoint": f"http://{owner.name}.{ns}.svc:{port}/v1",
-            },
+            model_ready=model_condition(ctx, pods, generation),
+            extra=extra,
             **counts,
         )
 
@@ -205,6 +226,36 @@ class Reconciler:
     def status(self, ctx: BuildContext, body: dict) -> dict:
         observed = self.observe(ctx, body["metadata"].get("generation", 1))
         return status_patch(observed, body.get("status"), builders.engine_config(ctx)["tokenBudget"])
+
+
+def sized_spec(
+    spec: SarathiSpec, raw_spec: dict, facts: SourceFacts | None
+) -> tuple[SarathiSpec, Sizing | None]:
+    """The spec with the sized GPU count and memory filled in where the CR leaves them unset (see
+    stallfree.operator.sizing); unchanged without a model shape."""
+    if facts is None or facts.shape is None:
+        return spec, None
+    raw_par, raw_res = raw_spec.get("parallelism") or {}, raw_spec.get("resources") or {}
+    r, p = spec.resources, spec.parallelism
+    sizing = size(
+        facts.shape,
+        dtype=spec.model.dtype,
+        max_model_len=spec.model.max_model_len,
+        max_num_seqs=spec.engine.max_num_seqs,
+        gpu_memory=r.gpu_memory,
+        gpus_per_node=r.gpus_per_node,
+        cpu_only=spec.gpus_per_pod == 0,
+        size_gpus="tensor" not in raw_par and "gpusPerPod" not in raw_res,
+        size_memory="memory" not in raw_res,
+        fixed_gpus=spec.gpus_per_pod,
+        pipeline=p.pipeline,
+    )
+    update: dict = {}
+    if sizing.gpus is not None and sizing.gpus != p.tensor:
+        update["parallelism"] = p.model_copy(update={"tensor": sizing.gpus})
+    if sizing.memory is not None:
+        update["resources"] = r.model_copy(update={"memory": sizing.memory})
+    return (spec.model_copy(update=update) if update else spec), sizing
 
 
 def _pod_problems(pods: list[dict]) -> tuple[tuple[str, ...], tuple[str, ...]]:

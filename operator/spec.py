@@ -8,9 +8,11 @@ mode, an old CRD) fails with the same message instead of a half-built fleet.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stallfree.engine.hub import HubRef, parse_hub_uri
 
 GROUP = "serving.stallfree.dev"
 VERSION = "v1alpha1"
@@ -25,10 +27,22 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class SecretKey(_Model):
+    name: str
+    key: str
+
+
+class HubTokenSecret(SecretKey):
+    key: str = "token"
+
+
 class ModelSource(_Model):
-    type: Literal["Bundled", "PersistentVolumeClaim", "HostPath"] = "Bundled"
+    type: Literal["Bundled", "PersistentVolumeClaim", "HostPath", "HuggingFace"] = "Bundled"
     claim_name: str | None = Field(None, alias="claimName")
     path: str | None = None
+    uri: str | None = None  # hf://ORG/NAME[@REVISION]
+    token_secret: HubTokenSecret | None = Field(None, alias="tokenSecret")
+    endpoint: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelSource:
@@ -38,14 +52,42 @@ class ModelSource(_Model):
             )
         if self.type == "HostPath" and not (self.path or "").startswith("/"):
             raise ValueError("model.source.path must be an absolute path when model.source.type is HostPath")
+        if self.type == "HuggingFace":
+            if not self.uri:
+                raise ValueError(
+                    "model.source.uri (hf://ORG/NAME[@REVISION]) is required when model.source.type is HuggingFace"
+                )
+            parse_hub_uri(self.uri)  # ValueError naming the expected form
+        elif self.uri or self.token_secret or self.endpoint:
+            raise ValueError("model.source.uri, tokenSecret and endpoint are only for HuggingFace sources")
         return self
+
+    @property
+    def hub_ref(self) -> HubRef | None:
+        return parse_hub_uri(self.uri) if self.type == "HuggingFace" and self.uri else None
+
+
+class ModelCache(_Model):
+    """Where a HuggingFace source is downloaded: a claim when size is set, else an emptyDir per pod."""
+
+    size: str | int | None = None
+    storage_class_name: str | None = Field(None, alias="storageClassName")
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany"] = Field("ReadWriteOnce", alias="accessMode")
+    retain_on_delete: bool = Field(True, alias="retainOnDelete")
 
 
 class ModelSpec(_Model):
     name: str = DEFAULT_MODEL
     source: ModelSource = ModelSource()
+    cache: ModelCache | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, alias="maxModelLen")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.cache is not None and self.source.type != "HuggingFace":
+            raise ValueError("model.cache is only for model.source.type HuggingFace")
+        return self
 
 
 class Parallelism(_Model):
@@ -84,15 +126,11 @@ class Resources(_Model):
     gpus_per_pod: int | None = Field(None, alias="gpusPerPod", ge=0)
     gpus_per_node: int = Field(8, alias="gpusPerNode", ge=1)
     cpu: str | int = "2"
-    memory: str | int = "8Gi"
+    memory: str | int = "8Gi"  # unset in the CR: sized from the model for HuggingFace sources
+    gpu_memory: str | int = Field("80Gi", alias="gpuMemory")
     shm_size: str | int = Field("1Gi", alias="shmSize")
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     tolerations: tuple[Toleration, ...] = ()
-
-
-class SecretKey(_Model):
-    name: str
-    key: str
 
 
 class AdminTokenSecret(SecretKey):
@@ -116,6 +154,28 @@ class EngineSpec(_Model):
     drain_seconds: int = Field(120, alias="drainSeconds", ge=0)
     admin_token_secret: AdminTokenSecret | None = Field(None, alias="adminTokenSecret")
     api_key_secret: ApiKeySecret | None = Field(None, alias="apiKeySecret")
+
+
+class PodSettings(_Model):
+    """spec.pod: Kubernetes pod fields passed through as written (the CRD schema checks their shape, the API
+    server their contents when the workload is applied)."""
+
+    image_pull_secrets: tuple[dict[str, Any], ...] = Field((), alias="imagePullSecrets")
+    priority_class_name: str | None = Field(None, alias="priorityClassName")
+    env: tuple[dict[str, Any], ...] = ()
+    env_from: tuple[dict[str, Any], ...] = Field((), alias="envFrom")
+    volumes: tuple[dict[str, Any], ...] = ()
+    volume_mounts: tuple[dict[str, Any], ...] = Field((), alias="volumeMounts")
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: tuple[dict[str, Any], ...] = Field((), alias="topologySpreadConstraints")
+
+    @model_validator(mode="after")
+    def _check(self) -> PodSettings:
+        volumes = {v.get("name") for v in self.volumes}
+        for m in self.volume_mounts:
+            if m.get("name") not in volumes:
+                raise ValueError(f"pod.volumeMounts[].name {m.get('name')!r} must name one of pod.volumes")
+        return self
 
 
 class Slo(_Model):
@@ -190,6 +250,7 @@ class SarathiSpec(_Model):
     parallelism: Parallelism = Parallelism()
     replicas: Replicas = Replicas()
     resources: Resources = Resources()
+    pod: PodSettings = PodSettings()
     engine: EngineSpec = EngineSpec()
     slo: Slo = Slo()
     budget: Budget = Budget()

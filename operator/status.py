@@ -1,9 +1,17 @@
-"""Pure status computation: workload and pod state in, the SarathiDeployment status patch out."""
+"""Pure status computation: the SarathiDeployment status patch, from what the reconciler saw of the
+children (the operator's fields) and from the budget controller's last step (its fields, the same
+document in local mode's /admin/v1/status)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stallfree.operator.controller.loop import ControlLoop
+
+from stallfree.operator.model_status import WAITING_REASONS
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
@@ -21,6 +29,7 @@ class Observed:
     unschedulable: tuple[str, ...] = ()  # scheduler messages of pods that cannot be placed
     failing: tuple[str, ...] = ()  # container problems (CrashLoopBackOff, ImagePullBackOff, ...)
     deadline_exceeded: str | None = None  # the Deployment's ProgressDeadlineExceeded message
+    model_ready: dict | None = None  # the ModelReady condition (stallfree.operator.model_status)
     extra: dict = field(default_factory=dict)  # e.g. endpoint, selector
 
 
@@ -38,11 +47,22 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int)
     }
 
 
+def _model_fault(o: Observed) -> dict | None:
+    """ModelReady when it says the model cannot be had (not merely: not yet)."""
+    m = o.model_ready
+    return m if m and m["status"] == "False" and m["reason"] not in WAITING_REASONS else None
+
+
 def conditions_for(o: Observed) -> list[dict]:
-    """Ready, Progressing and Degraded for one observation (lastTransitionTime is added by merge)."""
+    """Ready, Progressing, Degraded and ModelReady for one observation (lastTransitionTime is added by
+    merge)."""
     g = o.generation
     problems = [*o.unschedulable, *o.failing] + ([o.deadline_exceeded] if o.deadline_exceeded else [])
-    if o.unschedulable:
+    model_fault = _model_fault(o)
+    if model_fault:
+        problems.insert(0, model_fault["message"])
+        degraded = _condition(DEGRADED, True, model_fault["reason"], model_fault["message"], g)
+    elif o.unschedulable:
         degraded = _condition(
             DEGRADED, True, "Unschedulable", "engine pods cannot be scheduled: " + o.unschedulable[0], g
         )
@@ -69,7 +89,7 @@ def conditions_for(o: Observed) -> list[dict]:
         ready = _condition(READY, True, "AllReplicasReady", f"{o.ready}/{o.desired} replicas ready", g)
     else:
         ready = _condition(READY, False, "ReplicasNotReady", f"{o.ready}/{o.desired} replicas ready", g)
-    return [ready, progressing, degraded]
+    return [ready, progressing, degraded] + ([o.model_ready] if o.model_ready else [])
 
 
 def merge_conditions(old: list[dict] | None, new: list[dict], now: str | None = None) -> list[dict]:
@@ -122,3 +142,88 @@ def differs(old_status: dict | None, patch: dict) -> bool:
     """Whether applying `patch` would change the status (so a steady fleet causes no writes)."""
     old_status = old_status or {}
     return any(old_status.get(k) != v for k, v in patch.items())
+
+
+# ---- the budget controller's fields ------------------------------------------------------------------------
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def controller_status(loop: ControlLoop) -> dict:
+    """status.budget, status.desiredReplicas, status.trafficClusters[] and the controller's conditions
+    (MetricsAvailable, SettingsApplied, SLOMet) for the settings in force and the loop's last step."""
+    step = loop.last
+    snap = step.snapshot if step else None
+    s = loop.settings
+    when = _iso(step.time) if step else None
+    clusters = []
+    all_met: bool | None = None
+    worst_tbt: float | None = None
+    for spec in loop.specs:
+        item: dict = {"name": spec.name, "tokenBudget": s.token_budget, **s.knobs(spec.name).as_engine()}
+        if snap is not None:
+            c = snap.cluster(spec.name)
+            obs = {
+                "observedTtftP99Seconds": c.ttft_p99,
+                "observedTbtP99Seconds": c.tbt_p99,
+                "observedSchedulingDelayP50Seconds": c.scheduling_delay_p50,
+            }
+            item.update({k: round(v, 4) for k, v in obs.items() if v is not None})
+            item["queueLength"] = round(c.waiting, 2)
+            item["arrivalRate"] = round(c.arrival_rate, 3)
+            met = spec.slo.met(c)
+            if met is not None:
+                item["sloMet"] = met
+                all_met = met if all_met is None else (all_met and met)
+            if c.tbt_p99 is not None:
+                worst_tbt = max(worst_tbt or 0.0, c.tbt_p99)
+        if step and step.decision:
+            item["lastDecision"] = step.decision.cluster_actions.get(spec.name, step.action)
+            item["reason"] = step.decision.cluster_reasons.get(spec.name, step.reason)
+        elif step:
+            item["lastDecision"], item["reason"] = step.action, step.reason
+        if when:
+            item["lastDecisionTime"] = when
+        clusters.append(item)
+    budget: dict = {"tokenBudget": s.token_budget}
+    if worst_tbt is not None:
+        budget["observedTbtP99Seconds"] = round(worst_tbt, 4)
+    if step:
+        budget.update(lastDecision=step.action, lastDecisionTime=when, reason=step.reason)
+    return {
+        "budget": budget,
+        "desiredReplicas": s.replicas,
+        "trafficClusters": clusters,
+        "conditions": controller_conditions(loop, all_met),
+    }
+
+
+def _controller_condition(ctype: str, status: str, reason: str, message: str) -> dict:
+    return {"type": ctype, "status": status, "reason": reason, "message": message}
+
+
+def controller_conditions(loop: ControlLoop, all_met: bool | None) -> list[dict]:
+    """MetricsAvailable, SettingsApplied and SLOMet, stamped with the loop's clock (merge_conditions keeps
+    the earlier lastTransitionTime of a condition whose status did not move)."""
+    now = _iso(loop.clock())
+    # Metrics read but the engines refused the settings: the data is fine, the apply is not; say so in its
+    # own condition rather than blaming the metrics.
+    if loop.holding and loop.apply_error is None:
+        metrics = _controller_condition("MetricsAvailable", "False", "HoldingSettings", loop.holding)
+    else:
+        metrics = _controller_condition("MetricsAvailable", "True", "MetricsRead", "engine metrics are fresh")
+    if loop.apply_error is not None:
+        applied = _controller_condition(
+            "SettingsApplied", "False", "ApplyFailed", f"holding last good settings: {loop.apply_error}"
+        )
+    else:
+        applied = _controller_condition(
+            "SettingsApplied", "True", "Applied", "every engine runs the settings in status"
+        )
+    if all_met is None:
+        slo = _controller_condition("SLOMet", "Unknown", "NoData", "no traffic observed in the window")
+    elif all_met:
+        slo = _controller_condition("SLOMet", "True", "SLOsMet", "every traffic cluster met its SLOs")
+    else:
+        slo = _controller_condition("SLOMet", "False", "SLOViolated", loop.last.reason if loop.last else "")
+    return [{**c, "lastTransitionTime": now} for c in (metrics, applied, slo)]

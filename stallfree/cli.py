@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module with a `main(argv: list[str]) -> int` that parses its own
 arguments (with `prog="stallfree <name>"`), so `stallfree --help` stays fast and needs neither torch nor
-kopf. Adding a command is one line in COMMANDS.
+kopf. Adding a command is one line in COMMANDS. Only what a user runs is here; the experiments that produced
+the docs' figures live in the repository's experiments/ folder (experiments/README.md).
 """
 
 from __future__ import annotations
@@ -14,40 +15,13 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stallfree.engine.generate_cli", "offline generation with the engine (vLLM-style LLM)"),
     "serve": ("stallfree.engine.serve_cli", "OpenAI-compatible server with stall-free batching"),
+    "download": ("stallfree.engine.download_cli", "fetch a model from the Hugging Face Hub (hf://ORG/NAME)"),
     "up": ("stallfree.local", "run a SarathiDeployment on this machine (local mode)"),
     "operator": ("stallfree.operator.cli", "the Kubernetes operator (kopf)"),
-    "bench": ("stallfree.bench.cli", "load generator and capacity search (serve, capacity)"),
+    "bench": ("stallfree.bench.cli", "load generator, capacity search and sweeps (serve, capacity, sweep)"),
     "profile": ("stallfree.bench.profile", "profile iteration time and fit a cost model"),
     "tune": ("stallfree.bench.tune", "derive a token budget from a TBT SLO and a cost model"),
     "simulate": ("stallfree.bench.simulate", "discrete-event simulation with the real scheduler"),
-    "capacity-study": (
-        "stallfree.bench.capacity_study",
-        "the paper's capacity table from a cost model: SLOs, budgets, capacities, ratios (simulator)",
-    ),
-    "engine-bench": (
-        "stallfree.engine.bench",
-        "engine micro-benchmarks: chunking overhead, decode, overhead",
-    ),
-    "exactness": (
-        "stallfree.bench.exactness",
-        "CPU bf16/int8/int4 modes against fp32: logprob error and greedy agreement on 60 prompts",
-    ),
-    "per-token": (
-        "stallfree.bench.per_token",
-        "CPU decode ms per token of each mode beside llama.cpp's (same GGUF, same threads)",
-    ),
-    "serve-bench": (
-        "stallfree.engine.server.bench_http",
-        "HTTP serving vs offline LLM.generate: throughput, added latency",
-    ),
-    "phase-sim": (
-        "stallfree.bench.phase.experiment",
-        "budget controller vs every static budget on a phase-shifting workload (simulator)",
-    ),
-    "phase-live": (
-        "stallfree.bench.phase.live",
-        "the same on real `stallfree up` deployments",
-    ),
 }
 
 

@@ -13,6 +13,10 @@ _TESTS = Path(__file__).parent
 for p in (_TESTS, _TESTS / "engine", _TESTS / "costmodel"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+# experiments/ (the figure-making runs, not in the installed package) is imported from the repository root.
+# Appended, not prepended: the root also holds operator/, which must never shadow the standard library's.
+if str(_TESTS.parent) not in sys.path:
+    sys.path.append(str(_TESTS.parent))
 
 # The box has 2 shared cores and other processes (servers, Prometheus, the API server) run beside the
 # tests: with more than one OpenMP thread, a descheduled thread stalls every barrier and a decode step can

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from stallfree.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTENV = ROOT / "scripts" / "testenv"
@@ -162,12 +163,6 @@ def namespace(k8s: K8sEnv, request) -> Iterator[str]:
     k8s.kubectl("create", "namespace", name)
     yield name
     k8s.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OperatorProcess:

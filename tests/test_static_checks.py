@@ -25,10 +25,13 @@ MYPY_PATHS = [
     "stallfree/costmodel",
 ]
 # folder -> packages nothing in it may import. The operator is what runs in a cluster: benchmark harnesses
-# and local mode live outside it. The cost model is shared by the profiler, the simulator and the
-# controller, so it imports none of them.
+# and local mode live outside it. The engine serves: benchmarks drive it from outside (habit 9). The cost
+# model is shared by the profiler, the simulator and the controller, so it imports none of them. Nothing
+# in the product imports the experiments (habit 12): they are not even in the installed package.
 FORBIDDEN_IMPORTS = {
-    "operator": ("stallfree.bench", "stallfree.local"),
+    "operator": ("stallfree.bench", "stallfree.local", "experiments"),
+    "engine": ("stallfree.bench", "stallfree.local", "experiments"),
+    "stallfree": ("experiments",),
     "stallfree/costmodel": ("stallfree.bench", "stallfree.local", "stallfree.operator"),
 }
 
@@ -89,4 +92,13 @@ def test_the_import_check_sees_lazy_and_from_imports(tmp_path: Path) -> None:
     mods = [m for _, m in imported_modules(src)]
     assert forbidden("stallfree.bench.traces", ("stallfree.bench",))
     assert not forbidden("stallfree.benchmarks", ("stallfree.bench",))
+    assert forbidden("experiments.phase.sim", ("experiments",))
+    assert not forbidden("experimental", ("experiments",))
     assert "stallfree.local" in mods and "stallfree.bench.traces" in mods
+
+
+def test_the_experiments_are_not_packaged() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packaged = [*tool["packages"], *tool["package-dir"]]
+    assert not [p for p in packaged if forbidden(p, ("experiments",))], packaged

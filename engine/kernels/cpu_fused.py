@@ -60,15 +60,25 @@ def load() -> object:
     """Build (first time) and load the kernels; returns torch.ops.stallfree_cpu. Raises on failure."""
     from torch.utils import cpp_extension  # noqa: PLC0415 - slow import, only when the kernels are wanted
 
-    source = SOURCE.read_bytes() + repr(CFLAGS).encode()
-    key = hashlib.sha256(source + _cpu_model().encode() + torch.__version__.encode()).hexdigest()[:16]
+    code = SOURCE.read_bytes()
+    # torch's own location is part of the key: the build's include paths and ninja file point into it.
+    salt = repr(CFLAGS) + _cpu_model() + torch.__version__ + str(Path(torch.__file__).parent)
+    key = hashlib.sha256(code + salt.encode()).hexdigest()[:16]
     build = _build_dir(key)
     build.mkdir(parents=True, exist_ok=True)
     if not (build / f"stallfree_cpu_{key}.so").exists():
         logger.info("building the CPU kernels (once per machine, ~20 s) in %s", build)
+    # NOTE: compile a copy kept in the build folder, not the checkout's file: the ninja file records the source's
+    # path, so two checkouts (or venvs) of the same code sharing the cache would otherwise rebuild each other's
+    # library on every load.
+    source = build / SOURCE.name
+    if not source.exists() or source.read_bytes() != code:
+        tmp = source.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(code)
+        tmp.replace(source)
     cpp_extension.load(
         name=f"stallfree_cpu_{key}",
-        sources=[str(SOURCE)],
+        sources=[str(source)],
         build_directory=str(build),
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],

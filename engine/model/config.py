@@ -1,4 +1,4 @@
-"""Architecture hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+"""Architecture hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ class LlamaConfig:
     # Qwen2 has biases on q/k/v (not on o_proj); Llama's `attention_bias: true` puts one on o_proj too.
     qkv_bias: bool = False
     o_proj_bias: bool = False
+    # Qwen3: RMSNorm over head_dim (one weight shared by every head) on each query and key head, before RoPE.
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         positive = (

@@ -41,6 +41,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # Qwen3-8B: q/k norms, head_dim 128 (= hidden / heads here), untied.
+    "qwen3-8b": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+        num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        qk_norm=True,
+    ),
     # A few layers of the 8B geometry (head_dim 128, GQA 4): CUDA kernel tests at the 8B's head shapes.
     "tiny-hd128": dict(
         vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=4, num_heads=8,

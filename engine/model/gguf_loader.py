@@ -38,11 +38,13 @@ class _Arch:
     # with NEOX-style (rotate_half) RoPE, like Qwen2, are stored unpermuted.
     permuted_qk: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: attn_q_norm / attn_k_norm (RMSNorm over head_dim) before RoPE
 
 
 ARCHITECTURES = {
     "llama": _Arch(permuted_qk=True, qkv_bias=False),
     "qwen2": _Arch(permuted_qk=False, qkv_bias=True),
+    "qwen3": _Arch(permuted_qk=False, qkv_bias=False, qk_norm=True),
 }
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face key (after "model.layers.N.").
@@ -50,6 +52,8 @@ _LAYER_KEYS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
@@ -103,6 +107,7 @@ def config_from_metadata(metadata: dict[str, Any], tensors: dict[str, ReaderTens
         bos_token_id=_token_id(metadata, "bos", vocab_size),
         eos_token_id=_token_id(metadata, "eos", vocab_size),
         qkv_bias=ARCHITECTURES[arch].qkv_bias,
+        qk_norm=ARCHITECTURES[arch].qk_norm,
         rope_freq_factors=_rope_freq_factors(metadata, tensors, arch, head_dim),
     )
 

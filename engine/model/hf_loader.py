@@ -1,6 +1,7 @@
 """Load a Llama-family model from a Hugging Face folder: config.json, *.safetensors, tokenizer.json.
 
-Supported architectures: LlamaForCausalLM (Llama 2/3, SmolLM2), MistralForCausalLM, Qwen2ForCausalLM.
+Supported architectures: LlamaForCausalLM (Llama 2/3, SmolLM2), MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM (dense). Weights stream tensor by tensor to the device (`safetensors_stream`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from stallfree.engine.model.config import Llama3RopeScaling, LlamaConfig
 from stallfree.engine.model.llama import LlamaForCausalLM
+from stallfree.engine.model.safetensors_stream import load_streamed
 from stallfree.engine.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -51,6 +52,8 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         )
     if cfg.get("mlp_bias"):
         raise ValueError("config.json sets mlp_bias, which this Llama implementation does not support")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("config.json sets use_sliding_window: only full causal attention is implemented")
     hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     # Newer transformers write RoPE settings under rope_parameters; older ones rope_theta + rope_scaling.
     rope = cfg.get("rope_parameters") or {}
@@ -64,6 +67,8 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         )
         max_pos = int(window)
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    # Qwen3 (dense) is Llama plus q/k norms: attention_bias, when set, covers q/k/v and o_proj as in Llama.
+    is_qwen3 = arch == "Qwen3ForCausalLM"
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     scaling = cfg.get("rope_scaling") or rope
     freq_factors = None
@@ -81,7 +86,7 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
         rope_theta=rope_theta,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if is_qwen2 else 1e-5)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if is_qwen2 or is_qwen3 else 1e-5)),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=Llama3RopeScaling.from_dict(scaling),
@@ -90,6 +95,7 @@ def config_from_hf(cfg: dict[str, Any]) -> LlamaConfig:
         eos_token_id=_first_id(cfg.get("eos_token_id")),
         qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
         o_proj_bias=not is_qwen2 and bool(cfg.get("attention_bias", False)),
+        qk_norm=is_qwen3,
     )
 
 
@@ -131,17 +137,6 @@ def tokenizer_from_hf(folder: Path, config: LlamaConfig) -> Tokenizer:
     )
 
 
-def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors shard in `folder`, by name."""
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)")
-    weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(str(shard)))
-    return weights
-
-
 def load_hf_folder(
     folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[LlamaForCausalLM, Tokenizer, LlamaConfig]:
@@ -151,7 +146,6 @@ def load_hf_folder(
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
     config = config_from_hf(_read_json(folder / "config.json"))
     tokenizer = tokenizer_from_hf(folder, config)
-    weights = load_safetensors(folder)
-    model = LlamaForCausalLM.from_hf_state_dict(config, weights, dtype=dtype, device=device)
+    model = load_streamed(config, folder, dtype, device)
     logger.info("loaded %s: %d layers, %.1fM parameters", folder, config.num_layers, model.num_params() / 1e6)
     return model, tokenizer, config

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over one flattened ragged batch.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2) over one flattened ragged batch.
 
 The model sees T tokens from many requests at once, with their **absolute** positions, and never the KV
 cache: attention is a callable handed in by the caller (the model runner), which owns the cache pages and
@@ -118,12 +118,18 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: per-head RMSNorm of q and k (weights of size hd, shared by the heads), before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
         # q and k rotated together: one set of elementwise ops for both instead of one each.
         qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # (T, nh + nkv, hd)
         q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         out = attn(self.layer_idx, q, k, v)  # (T, nh, hd)
@@ -141,6 +147,9 @@ class LlamaAttention(nn.Module):
         """The fused path's projection (T, (nh + 2 nkv) hd), q and k rotated in place by one kernel."""
         qkv = self.qkv_proj(x)
         q, k, _ = self.split_qkv(qkv)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: normed in place (views of qkv)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         kernels.rope_(q, k, positions, rotary.cos_cache, rotary.sin_cache)
         return qkv
 

@@ -22,11 +22,12 @@ from stallfree.engine.engine import LLMEngine, resolve_device, resolve_dtype
 from stallfree.engine.model.loader import LoadedModel, load_model
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.parallel.env import NodeContract, read_contract
-from stallfree.engine.parallel.executor import ParallelExecutor, WorkerFailedError, free_port, share_weights
+from stallfree.engine.parallel.executor import ParallelExecutor, WorkerFailedError, share_weights
 from stallfree.engine.parallel.layers import head_shard
 from stallfree.engine.parallel.stage import stage_layers
 from stallfree.engine.parallel.worker import WorkerInit
 from stallfree.engine.request import RequestStatus
+from stallfree.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,14 @@ class ParallelLLMEngine(LLMEngine):
     @property
     def pipeline_depth(self) -> int:
         return self.config.parallel.pipeline_parallel_size
+
+    def validate_prompt(self, ids, params) -> None:  # type: ignore[override]
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "structured outputs (response_format, guided_*, tool_choice required/named) are not "
+                "supported with tensor or pipeline parallelism yet: serve the model on one device"
+            )
+        super().validate_prompt(ids, params)
 
     def add_request(self, request_id, prompt, params, **kw):  # type: ignore[override]
         if self.dead is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections import deque
 from dataclasses import replace
@@ -35,12 +34,6 @@ STOP_GRACE_S = 3.0
 
 class WorkerFailedError(RuntimeError):
     """A tensor/pipeline-parallel worker died, failed or stopped answering: the engine cannot continue."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ParallelExecutor:

@@ -179,7 +179,7 @@ class StageWorker:
             offset += c.num_tokens
             if c.sample:
                 rows.append(offset - 1)
-                reqs.append(SampleRequest(c.request_id, c.sampling_params, c.num_output_tokens))
+                reqs.append(SampleRequest.of(c))
         samples = {}
         if rows:
             logits = self.stage.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # (N, V)

@@ -25,7 +25,7 @@ from stallfree.engine.engine import LLMEngine
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.request import Request
 from stallfree.engine.sampling_params import SamplingParams
-from stallfree.engine.server.errors import NotReady, Overloaded
+from stallfree.engine.server.errors import BadRequest, NotReady, Overloaded
 from stallfree.engine.server.observer import EngineObserver
 from stallfree.engine.server.traffic import TrafficConfig
 
@@ -46,23 +46,38 @@ class _Tracked:
 
 @dataclass(slots=True)
 class RequestStream:
-    """What a handler holds: the request's identity and its queue of RequestOutputs (last one finished)."""
+    """What a handler holds: the request's identity and one queue of RequestOutputs for its sequences.
+
+    A request with n > 1 choices runs as n engine requests `children` (`{request_id}-{i}`; just the
+    request id when n = 1) sharing the prompt, whose K/V the later ones take from the prefix cache. Their
+    outputs arrive interleaved on the one queue; iteration ends when every child has finished."""
 
     request_id: str
     cluster: str
     prompt_token_ids: list[int]
     arrival_time: float
+    children: tuple[str, ...] = ()
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    done: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not self.children:
+            self.children = (self.request_id,)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == len(self.children)
+
+    def index(self, child_id: str) -> int:
+        """The choice index of a child's outputs."""
+        return self.children.index(child_id) if len(self.children) > 1 else 0
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
+        while not self.finished:
             out: RequestOutput = await self.queue.get()
             if out.finished:
-                self.finished = True
+                self.done.add(out.request_id)
             yield out
-            if out.finished:
-                return
 
 
 class AsyncEngine:
@@ -141,21 +156,31 @@ class AsyncEngine:
         params: SamplingParams,
         cluster: str,
         retry_after_hint: float = 1.0,
+        n: int = 1,
     ) -> RequestStream:
-        """Admit a validated request or raise Overloaded/NotReady. Outputs arrive on the returned stream."""
+        """Admit a validated request or raise Overloaded/NotReady. Outputs arrive on the returned stream.
+
+        n > 1 admits n sequences at once or none: they count n against the cluster's maxWaiting. With a
+        seed, choice i samples with seed + i (as vLLM), so the choices differ and each is reproducible."""
         try:
             self.check_available()
         except NotReady:
             self.observer.on_rejected(cluster, "draining" if self.draining else "not_ready")
             raise
         spec = self.traffic.cluster(cluster)
+        if spec.max_waiting is not None and n > spec.max_waiting:
+            raise BadRequest(
+                f"n={n} choices would never fit traffic cluster {cluster!r}'s queue (maxWaiting "
+                f"{spec.max_waiting}): ask for fewer choices",
+                param="n",
+            )
         with self._lock:
             waiting = self._waiting.get(cluster, 0) + self._pending.get(cluster, 0)
-            if spec.max_waiting is not None and waiting >= spec.max_waiting:
+            if spec.max_waiting is not None and waiting + n > spec.max_waiting:
                 full = True
             else:
                 full = False
-                self._pending[cluster] = self._pending.get(cluster, 0) + 1
+                self._pending[cluster] = self._pending.get(cluster, 0) + n
         if full:
             self.observer.on_rejected(cluster, "queue_full")
             retry = max(1, math.ceil(retry_after_hint))
@@ -164,15 +189,27 @@ class AsyncEngine:
                 f"{spec.max_waiting}); retry after {retry} s",
                 retry_after=retry,
             )
-        stream = RequestStream(request_id, cluster, prompt_token_ids, self.engine.clock())
-        self.observer.on_arrival(cluster, len(prompt_token_ids))
+        children = (request_id,) if n == 1 else tuple(f"{request_id}-{i}" for i in range(n))
+        stream = RequestStream(request_id, cluster, prompt_token_ids, self.engine.clock(), children)
+        child_params = [
+            params if params.seed is None or n == 1 else replace(params, seed=params.seed + i)
+            for i in range(n)
+        ]
+        for i in range(n):  # each choice is a request in the counters; the shared prompt counts once
+            self.observer.on_arrival(cluster, len(prompt_token_ids) if i == 0 else 0)
         self.num_in_flight += 1
         self._idle.clear()
-        self._send("add", (stream, params, spec.priority))
+        self._send("add", (stream, child_params, spec.priority))
         return stream
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
+
+    def abort_stream(self, stream: RequestStream) -> None:
+        """Abort every sequence of the request that has not finished."""
+        for child in stream.children:
+            if child not in stream.done:
+                self._send("abort", child)
 
     async def update_config(self, config: TrafficConfig) -> None:
         """Apply new tunables from the next iteration; returns once the engine thread has them."""
@@ -235,11 +272,12 @@ class AsyncEngine:
                     break
                 processed += 1
                 if kind == "add":
-                    stream, params, priority = payload
-                    self._pending[stream.cluster] -= 1
-                    out = self._add(stream, params, priority)
-                    if out is not None:
-                        deliveries.append((stream, out))
+                    stream, child_params, priority = payload
+                    self._pending[stream.cluster] -= len(stream.children)
+                    for child, params in zip(stream.children, child_params, strict=True):
+                        out = self._add(stream, child, params, priority)
+                        if out is not None:
+                            deliveries.append((stream, out))
                 elif kind == "abort":
                     t = self._tracked.get(payload)
                     out = self.engine.abort_request(payload)
@@ -262,10 +300,12 @@ class AsyncEngine:
         self.observer.on_iteration(None, waiting, running, self.engine.block_manager.usage)
         self._deliver(deliveries, acks)
 
-    def _add(self, stream: RequestStream, params: SamplingParams, priority: int) -> RequestOutput | None:
+    def _add(
+        self, stream: RequestStream, child: str, params: SamplingParams, priority: int
+    ) -> RequestOutput | None:
         try:
             req = self.engine.add_request(
-                stream.request_id,
+                child,
                 stream.prompt_token_ids,
                 params,
                 traffic_cluster=stream.cluster,
@@ -274,8 +314,8 @@ class AsyncEngine:
             )
         except ValueError as e:  # validated by the handler already; this is a last line of defence
             self.observer.on_finished(stream.cluster, "error", 0.0)
-            return _error_output(stream, str(e))
-        self._tracked[stream.request_id] = _Tracked(stream, req)
+            return _error_output(stream, child, str(e))
+        self._tracked[child] = _Tracked(stream, req)
         return None
 
     def _apply_config(self, config: TrafficConfig) -> None:
@@ -330,7 +370,12 @@ class AsyncEngine:
             t.tokens_seen = n
         if out.finished:
             end = req.finish_time if req.finish_time is not None else self.engine.clock()
-            self.observer.on_finished(cluster, out.finish_reason or "error", end - req.arrival_time)
+            outcome = out.finish_reason or "error"
+            self.observer.on_finished(cluster, outcome, end - req.arrival_time)
+            if out.metrics is not None:
+                self.observer.on_request_done(
+                    cluster, outcome, out.metrics, req.prompt_len, req.sampling_params.max_tokens
+                )
             del self._tracked[out.request_id]
 
     def _deliver(self, deliveries: list[tuple[RequestStream, RequestOutput]], acks: list) -> None:
@@ -355,7 +400,7 @@ class AsyncEngine:
         deliveries = []
         for t in list(self._tracked.values()):
             self.observer.on_finished(t.stream.cluster, "error", self.engine.clock() - t.req.arrival_time)
-            deliveries.append((t.stream, _error_output(t.stream, message)))
+            deliveries.append((t.stream, _error_output(t.stream, t.req.request_id, message)))
         self._tracked.clear()
         acks = []
         while True:
@@ -364,7 +409,8 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                deliveries.append((payload[0], _error_output(payload[0], message)))
+                stream = payload[0]
+                deliveries += [(stream, _error_output(stream, c, message)) for c in stream.children]
             elif kind == "config":
                 acks.append(payload[1])
             elif kind == "reset_prefix_cache":
@@ -372,9 +418,9 @@ class AsyncEngine:
         self._deliver(deliveries, acks)
 
 
-def _error_output(stream: RequestStream, message: str) -> RequestOutput:
+def _error_output(stream: RequestStream, child: str, message: str) -> RequestOutput:
     return RequestOutput(
-        request_id=stream.request_id,
+        request_id=child,
         prompt_token_ids=stream.prompt_token_ids,
         token_ids=[],
         text="",

@@ -1,8 +1,10 @@
 """Prometheus metrics: the ONLY module that imports prometheus_client.
 
 Names are a contract (budget controller, Grafana dashboard, alerts): `stallfree_*` with units and the
-`traffic_cluster` label, plus the vLLM-compatible subset with `model_name`. Each server instance owns its
-own CollectorRegistry, so several servers can live in one process (tests).
+`traffic_cluster` label, plus vLLM's names (label `model_name`, vLLM's buckets) for everything we measure
+that vLLM also reports, so gateways, autoscalers and dashboards made for vLLM read them unchanged; `stallfree_*`
+keeps what vLLM has no name for. Each server instance owns its own CollectorRegistry, so several servers can
+live in one process (tests).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST as _CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from stallfree.engine.outputs import IterationStats
+from stallfree.engine.outputs import IterationStats, RequestMetrics
 from stallfree.engine.server.observer import EngineObserver
 
 CONTENT_TYPE = _CONTENT_TYPE
@@ -30,6 +32,32 @@ TOKEN_BUCKETS = (
     6144, 8192, 16384,
 )  # fmt: skip
 OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same.
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+VLLM_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+VLLM_FINISH_REASONS = ("stop", "length", "abort")  # vllm:request_success_total's finished_reason
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class PrometheusMetrics(EngineObserver):
@@ -90,9 +118,10 @@ class PrometheusMetrics(EngineObserver):
         self.v_running = g("vllm:num_requests_running", "Requests running.", m, registry=r)
         self.v_kv = g("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100%).", m, registry=r)
         self.v_ttft = h("vllm:time_to_first_token_seconds", "Time to first token.", m,
-                        buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.v_itl = h("vllm:inter_token_latency_seconds", "Inter-token latency.", m, buckets=TBT_BUCKETS,
-                       registry=r)  # fmt: skip
+                        buckets=VLLM_TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.v_itl = h("vllm:inter_token_latency_seconds", "Inter-token latency.", m,
+                       buckets=VLLM_ITL_BUCKETS, registry=r)  # fmt: skip
+        self._vllm_request_metrics(m)
         self.v_cache_queries = c(
             "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=r
         )
@@ -101,8 +130,47 @@ class PrometheusMetrics(EngineObserver):
         self.v_cache_hits.labels(model_name)
         for kind in ("prefill", "decode", "hybrid"):
             self.iterations.labels(kind)
-        for metric in (self.v_waiting, self.v_running, self.v_kv):
-            metric.labels(model_name).set(0)
+        for reason in VLLM_FINISH_REASONS:
+            self.v_success.labels(model_name, reason)
+        for counter in (self.v_prompt_tokens, self.v_gen_tokens, self.v_preemptions):
+            counter.labels(model_name)  # series at zero before the first request
+        for hist in (self.v_ttft, self.v_itl, *self._v_request_histograms):
+            hist.labels(model_name)
+        for gauge in (self.v_waiting, self.v_running, self.v_kv):
+            gauge.labels(model_name).set(0)
+
+    def _vllm_request_metrics(self, m: tuple[str, ...]) -> None:
+        r, h, c = self.registry, Histogram, Counter
+        lat = VLLM_REQUEST_LATENCY_BUCKETS
+        self.v_e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency.", m, buckets=lat,
+                       registry=r)  # fmt: skip
+        self.v_queue = h("vllm:request_queue_time_seconds", "Time in the waiting queue (arrival to first "
+                         "scheduled).", m, buckets=lat, registry=r)  # fmt: skip
+        self.v_prefill = h("vllm:request_prefill_time_seconds", "Prefill time (first scheduled to first "
+                           "token).", m, buckets=lat, registry=r)  # fmt: skip
+        self.v_decode = h("vllm:request_decode_time_seconds", "Decode time (first token to last token).", m,
+                          buckets=lat, registry=r)  # fmt: skip
+        self.v_inference = h("vllm:request_inference_time_seconds", "Running time (first scheduled to "
+                             "finish).", m, buckets=lat, registry=r)  # fmt: skip
+        self.v_tpot = h("vllm:request_time_per_output_token_seconds", "Mean time per output token of a "
+                        "request.", m, buckets=VLLM_ITL_BUCKETS, registry=r)  # fmt: skip
+        tokens = buckets_1_2_5(1_000_000)
+        self.v_req_prompt = h("vllm:request_prompt_tokens", "Prompt tokens per request.", m, buckets=tokens,
+                              registry=r)  # fmt: skip
+        self.v_req_gen = h("vllm:request_generation_tokens", "Generated tokens per request.", m,
+                           buckets=tokens, registry=r)  # fmt: skip
+        self.v_max_tokens = h("vllm:request_params_max_tokens", "max_tokens of each request.", m,
+                              buckets=tokens, registry=r)  # fmt: skip
+        self.v_iter_tokens = h("vllm:iteration_tokens_total", "Tokens per engine iteration.", m,
+                               buckets=VLLM_ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self._v_request_histograms = (self.v_e2e, self.v_queue, self.v_prefill, self.v_decode, self.v_inference,
+                                      self.v_tpot, self.v_req_prompt, self.v_req_gen, self.v_max_tokens,
+                                      self.v_iter_tokens)  # fmt: skip
+        self.v_prompt_tokens = c("vllm:prompt_tokens", "Prompt tokens, counted on arrival.", m, registry=r)
+        self.v_gen_tokens = c("vllm:generation_tokens", "Generated tokens.", m, registry=r)
+        self.v_preemptions = c("vllm:num_preemptions", "Preemptions (recompute).", m, registry=r)
+        self.v_success = c("vllm:request_success", "Finished requests by finish reason.",
+                           (*m, "finished_reason"), registry=r)  # fmt: skip
 
     def _cluster(self, name: str) -> None:
         """Create a cluster's series at zero so dashboards see it before its first request."""
@@ -127,6 +195,7 @@ class PrometheusMetrics(EngineObserver):
         self._cluster(cluster)
         self.arrivals.labels(cluster).inc()
         self.prompt_tokens.labels(cluster).inc(prompt_tokens)
+        self.v_prompt_tokens.labels(self.model_name).inc(prompt_tokens)
 
     def on_rejected(self, cluster: str, reason: str) -> None:
         self._cluster(cluster)
@@ -148,11 +217,35 @@ class PrometheusMetrics(EngineObserver):
 
     def on_generation_tokens(self, cluster: str, n: int) -> None:
         self.gen_tokens.labels(cluster).inc(n)
+        self.v_gen_tokens.labels(self.model_name).inc(n)
 
     def on_finished(self, cluster: str, outcome: str, e2e: float) -> None:
         self._cluster(cluster)
         self.requests.labels(cluster, outcome if outcome in OUTCOMES else "error").inc()
         self.e2e.labels(cluster).observe(e2e)
+        self.v_e2e.labels(self.model_name).observe(e2e)
+        if outcome in VLLM_FINISH_REASONS:
+            self.v_success.labels(self.model_name, outcome).inc()
+
+    def on_request_done(
+        self, cluster: str, outcome: str, metrics: RequestMetrics, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        name, t = self.model_name, metrics
+        self.v_req_prompt.labels(name).observe(prompt_tokens)
+        self.v_req_gen.labels(name).observe(len(t.token_times))
+        self.v_max_tokens.labels(name).observe(max_tokens)
+        if t.first_scheduled_time is None:
+            return
+        self.v_queue.labels(name).observe(t.first_scheduled_time - t.arrival_time)
+        if t.finish_time is not None:
+            self.v_inference.labels(name).observe(t.finish_time - t.first_scheduled_time)
+        if t.first_token_time is None:
+            return
+        self.v_prefill.labels(name).observe(t.first_token_time - t.first_scheduled_time)
+        last = t.token_times[-1]
+        self.v_decode.labels(name).observe(last - t.first_token_time)
+        if len(t.token_times) > 1:
+            self.v_tpot.labels(name).observe((last - t.first_token_time) / (len(t.token_times) - 1))
 
     def on_iteration(
         self, stats: IterationStats | None, waiting: dict[str, int], running: dict[str, int], kv_usage: float
@@ -172,6 +265,8 @@ class PrometheusMetrics(EngineObserver):
         self.iter_decode.observe(stats.num_decode_tokens)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+            self.v_preemptions.labels(self.model_name).inc(stats.num_preempted)
+        self.v_iter_tokens.labels(self.model_name).observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         p, d = stats.num_prefill_tokens, stats.num_decode_tokens
         kind = "hybrid" if p and d else ("prefill" if p else "decode")
         self.iterations.labels(kind).inc()

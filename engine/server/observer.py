@@ -4,7 +4,7 @@ rejections, from the HTTP event loop: implementations must be thread-safe."""
 
 from __future__ import annotations
 
-from stallfree.engine.outputs import IterationStats
+from stallfree.engine.outputs import IterationStats, RequestMetrics
 
 
 class EngineObserver:
@@ -23,6 +23,11 @@ class EngineObserver:
     def on_generation_tokens(self, cluster: str, n: int) -> None: ...
 
     def on_finished(self, cluster: str, outcome: str, e2e: float) -> None: ...
+
+    def on_request_done(
+        self, cluster: str, outcome: str, metrics: RequestMetrics, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        """A request's whole timeline once it finished (queue, prefill, decode times; token counts)."""
 
     def on_iteration(
         self, stats: IterationStats | None, waiting: dict[str, int], running: dict[str, int], kv_usage: float

@@ -13,6 +13,7 @@ from starlette.background import BackgroundTask
 
 from stallfree.engine.outputs import RequestOutput
 from stallfree.engine.server.async_engine import AsyncEngine, RequestStream
+from stallfree.engine.server.constraints import chat_prompt, constrain, request_constraint
 from stallfree.engine.server.errors import APIError, BadRequest, ContextLengthExceeded, EngineError
 from stallfree.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.engine.server.responses import SSE_DONE, ResponseBuilder, sse
@@ -40,16 +41,18 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def models(request: Request) -> dict:
     state = get_state(request)
     engine = state.ready_engine()
+    # Every served name, the first first (as vLLM lists its --served-model-name).
     return {
         "object": "list",
         "data": [
             {
-                "id": state.model_name,
+                "id": name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "stallfree",
                 "max_model_len": engine.engine.max_model_len,
             }
+            for name in state.model_names
         ],
     }
 
@@ -59,13 +62,14 @@ async def completions(body: CompletionRequest, request: Request):
     state = get_state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
-    body.check_unsupported()
+    body.check_unsupported(engine.engine.model_config.vocab_size)
     prompt = body.single_prompt()
     tok = engine.engine.tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = _max_tokens(engine, len(ids), body.max_tokens, "prompt")
     params = body.sampling_params(max_tokens, body.logprobs)
-    return await _serve(state, engine, request, "completion", ids, params, body.include_usage, body.stream)
+    params = await constrain(engine.engine, params, request_constraint(body), body.constraint_field())
+    return await _serve(state, engine, request, "completion", ids, params, body)
 
 
 @router.post("/v1/chat/completions")
@@ -73,15 +77,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     engine = state.ready_engine()
     state.check_model(body.model)
-    body.check_unsupported()
-    tok = engine.engine.tokenizer
-    try:
-        ids = tok.encode_chat(body.conversation(), add_generation_prompt=body.add_generation_prompt)
-    except ValueError as e:
-        raise BadRequest(str(e), param="messages") from e
+    body.check_unsupported(engine.engine.model_config.vocab_size)
+    prompt = chat_prompt(engine.engine, body, state.settings.tool_call_parser)
+    ids = prompt.token_ids
     max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), "messages")
     params = body.sampling_params(max_tokens, body.num_logprobs())
-    return await _serve(state, engine, request, "chat", ids, params, body.include_usage, body.stream)
+    so = request_constraint(body, prompt.plan)
+    field = "tools" if so is not None and so is prompt.plan.structured_outputs else body.constraint_field()
+    params = await constrain(engine.engine, params, so, field)
+    return await _serve(state, engine, request, "chat", ids, params, body, prompt.extractors(body.n))
 
 
 def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param: str) -> int:
@@ -103,7 +107,7 @@ def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param
     return requested
 
 
-async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, include_usage, stream):
+async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, body, tool_calls=None):
     header = request.headers.get(TRAFFIC_HEADER)
     cluster = engine.traffic.classify(header, len(ids))
     if cluster is None:
@@ -122,38 +126,51 @@ async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, p
     waiting = engine.waiting(cluster)
     rate = state.window.admission_rate(cluster)
     hint = min(MAX_RETRY_AFTER_S, (waiting + 1) / rate) if rate > 0 else 1.0
-    rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint)
-    builder = ResponseBuilder(kind, request_id, state.model_name, engine.engine.tokenizer, include_usage)
-    if stream:
+    rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint, n=body.n)
+    builder = ResponseBuilder(
+        kind,
+        request_id,
+        state.model_name,
+        engine.engine.tokenizer,
+        body.include_usage,
+        n=body.n,
+        continuous_usage=body.continuous_usage,
+        num_prompt_tokens=len(ids),
+        tool_calls=tool_calls,
+    )
+    if body.stream:
         release = _releaser(engine, rs)
         # NOTE: if the client leaves before the body starts, the generator never runs and its finally never
         # fires; the background task runs after the response either way, so the request is still aborted.
         return StreamingResponse(
-            _stream(rs, builder, include_usage, release),
+            _stream(rs, builder, body.include_usage, release),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(release),
         )
     try:
-        out = await _collect(engine, rs, request)
+        outs = await _collect(engine, rs, request)
     finally:
         engine.request_done()
-    if out is None:  # the client went away; nobody reads this
+    if outs is None:  # the client went away; nobody reads this
         return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    if out.finish_reason == "error":
-        raise EngineError(out.error or "the engine failed this request")
-    return JSONResponse(builder.full(out))
+    failed = next((o for o in outs if o.finish_reason == "error"), None)
+    if failed is not None:
+        raise EngineError(failed.error or "the engine failed this request")
+    return JSONResponse(builder.full(outs))
 
 
-async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> RequestOutput | None:
-    """The final output, or None (and the request aborted) when the client disconnects first."""
+async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> list[RequestOutput] | None:
+    """Each choice's final output, or None (and the request aborted) when the client disconnects first."""
 
-    async def last() -> RequestOutput:
-        final = None
+    async def last() -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
         async for out in rs:
-            final = out
-        assert final is not None  # noqa: S101 - a stream always ends with a finished output
-        return final
+            if out.finished:
+                final[out.request_id] = out
+                if out.finish_reason == "error":  # no point waiting for the other choices
+                    break
+        return [final[c] for c in rs.children if c in final]
 
     task = asyncio.ensure_future(last())
     try:
@@ -168,7 +185,7 @@ async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> 
         if not task.done():
             task.cancel()
         if not rs.finished:
-            engine.abort(rs.request_id)
+            engine.abort_stream(rs)
 
 
 def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[None]]:
@@ -181,8 +198,8 @@ def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[
             return
         released = True
         if not rs.finished:
-            logger.info("stream of %s ended early (client gone); aborting it", rs.request_id)
-            engine.abort(rs.request_id)
+            logger.info("stream of %s ended early; aborting what still runs", rs.request_id)
+            engine.abort_stream(rs)
         engine.request_done()
 
     return release
@@ -191,20 +208,31 @@ def _releaser(engine: AsyncEngine, rs: RequestStream) -> Callable[[], Awaitable[
 async def _stream(
     rs: RequestStream, builder: ResponseBuilder, include_usage: bool, release: Callable[[], Awaitable[None]]
 ) -> AsyncIterator[str]:
+    """SSE chunks of every choice, interleaved as they come, each with its index; then usage and [DONE].
+
+    NOTE: a stream never ends silently: when the engine fails the request, or building a chunk raises, the
+    client gets an error event in the OpenAI shape (the openai SDK raises APIError on it), then [DONE]."""
     try:
-        first = builder.first_chunk()
-        if first is not None:
-            yield first
-        async for out in rs:
-            if out.finish_reason == "error":
-                err = EngineError(out.error or "the engine failed this request")
-                yield sse(err.body())
-                break
-            chunk = builder.delta_chunk(out)
-            if chunk is not None:
+        try:
+            for chunk in builder.first_chunks():
                 yield chunk
-            if out.finished and include_usage:
-                yield builder.usage_chunk(out)
+            final: dict[str, RequestOutput] = {}
+            async for out in rs:
+                if out.finish_reason == "error":
+                    err = EngineError(out.error or "the engine failed this request")
+                    yield sse(err.body())
+                    break
+                chunk = builder.delta_chunk(out, rs.index(out.request_id))
+                if chunk is not None:
+                    yield chunk
+                if out.finished:
+                    final[out.request_id] = out
+            else:
+                if include_usage:
+                    yield builder.usage_chunk([final[c] for c in rs.children])
+        except Exception as e:  # noqa: BLE001 - the client must hear about it, not see a short answer
+            logger.exception("stream of %s failed", rs.request_id)
+            yield sse(EngineError(f"the server failed while streaming: {type(e).__name__}: {e}").body())
         yield SSE_DONE
     finally:
         await release()

@@ -32,6 +32,10 @@ class ServerSettings:
     stats_window_s: float = 60.0
     drain_timeout_s: float = 30.0
     iteration_log: str | None = None  # JSON lines, one per iteration (`stallfree profile --from-log`)
+    # --served-model-name: what clients send as `model`; the first is the one responses carry. Empty: the
+    # loaded model's own name.
+    served_model_names: tuple[str, ...] = ()
+    tool_call_parser: str = "auto"  # how tool calls are read from the output: auto, hermes, llama3_json
 
 
 class ServerState:
@@ -41,7 +45,8 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.metrics: PrometheusMetrics | None = None
         self.window = WindowStats(settings.stats_window_s)
-        self.model_name: str | None = None
+        self.model_name: str | None = None  # the first of model_names: what responses and metrics carry
+        self.model_names: tuple[str, ...] = ()
         self.load_error: str | None = None
         self.on_fatal: Callable[[], None] | None = None  # the CLI stops uvicorn when loading fails
         self.admin_lock = asyncio.Lock()
@@ -61,7 +66,8 @@ class ServerState:
             if self.on_fatal is not None:
                 self.on_fatal()
             return
-        self.model_name = engine.loaded.name
+        self.model_names = self.settings.served_model_names or (engine.loaded.name,)
+        self.model_name = self.model_names[0]
         self.metrics = PrometheusMetrics(self.model_name)
         observers: list[EngineObserver] = [self.metrics, self.window]
         if self.settings.iteration_log:
@@ -112,10 +118,11 @@ class ServerState:
             raise Unauthorized("missing or wrong admin token: send `Authorization: Bearer <admin token>`")
 
     def check_model(self, model: str | None) -> None:
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return
+        served = ", ".join(repr(n) for n in self.model_names)
         raise NotFound(
-            f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+            f"the model {model!r} does not exist; this server serves {served}",
             param="model",
             code="model_not_found",
         )

@@ -6,7 +6,7 @@
 
 Per repetition: llama-batched-bench (-npp CONTEXT -ntg STEPS -npl BATCHES: each of B sequences has its
 own CONTEXT-token prompt, then STEPS decode steps for all B at once; ms per token = 1000 / its tg speed),
-then `stallfree per-token --modes bfloat16:int4` (decode-only iterations of B requests after a CONTEXT-token
+then `python -m experiments.per_token --modes bfloat16:int4` (decode-only iterations of B requests after a CONTEXT-token
 prompt; iteration wall time / B). Both include the LM head over the whole vocabulary. The JSON keeps every
 repetition; the table prints medians with the min-max spread and stallfree / llama.cpp.
 """
@@ -40,7 +40,7 @@ def stallfree(batches: str, threads: int, context: int, steps: int) -> dict[int,
     """`stallfree per-token`'s wall ms per token (bf16 + int4, the default CPU mode) for each batch size."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "stallfree", "per-token", "--modes", "bfloat16:int4", "--batches", batches,
+            [sys.executable, "-m", "experiments.per_token", "--modes", "bfloat16:int4", "--batches", batches,
              "--threads", str(threads), "--context", str(context), "--steps", str(steps), "--reps", "1",
              "--llamacpp-python", "", "--out", tmp],  # fmt: skip
             capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},

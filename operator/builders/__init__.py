@@ -13,6 +13,7 @@ from stallfree.operator.builders.config import (
     render_engine_config,
 )
 from stallfree.operator.builders.meta import BuildContext, Features, Owner, Tuned, selector_string
+from stallfree.operator.builders.model import build_cache_claim
 from stallfree.operator.builders.network import (
     build_headless_service,
     build_pdb,
@@ -40,6 +41,9 @@ def build_children(ctx: BuildContext) -> list[dict]:
     """Every child the operator applies (server-side apply), in apply order. The admin Secret is not here:
     it is created once, when missing (see build_admin_secret)."""
     children = [build_config_map(ctx), build_service(ctx)]
+    claim = build_cache_claim(ctx)
+    if claim is not None:
+        children.append(claim)  # before the workload that mounts it
     if ctx.spec.multi_node and not ctx.features.leader_worker_set:
         children.append(build_headless_service(ctx))
     children += build_workloads(ctx)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stallfree.operator.spec import API_VERSION, KIND, SarathiSpec
+
+if TYPE_CHECKING:
+    from stallfree.operator.model_source import SourceFacts
+    from stallfree.operator.sizing import Sizing
 
 MANAGED_BY = "stallfree-operator"
 APP_NAME = "stallfree-engine"
@@ -78,6 +83,9 @@ class BuildContext:
     engine_image: str  # spec.engine.image or the operator's default
     tuned: Tuned = Tuned()
     features: Features = Features()
+    hub_endpoint: str | None = None  # the operator's --hf-endpoint (a spec's model.source.endpoint wins)
+    model: SourceFacts | None = None  # a HuggingFace source as read from the hub (None for other sources)
+    sizing: Sizing | None = None  # what was derived from it; already applied to `spec`
 
     @property
     def replicas(self) -> int:

@@ -7,6 +7,8 @@ environment variables.
 
 from __future__ import annotations
 
+import copy
+
 from stallfree.operator.builders.config import engine_config, token_budget
 from stallfree.operator.builders.meta import (
     ANNOTATION_CONFIG_HASH,
@@ -24,6 +26,7 @@ from stallfree.operator.builders.meta import (
     replica_group_name,
     selector_labels,
 )
+from stallfree.operator.builders.model import download_init_container, engine_model_arg, model_volume
 
 ENGINE_CONTAINER = "engine"
 ENGINE_UID = 1000
@@ -32,20 +35,14 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 STS_POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 
-def engine_model_arg(ctx: BuildContext) -> str:
-    source = ctx.spec.model.source
-    if source.type == "Bundled":
-        return ctx.spec.model.name
-    if source.type == "PersistentVolumeClaim":
-        return f"{MODELS_DIR}/{(source.path or '').strip('/')}".rstrip("/")
-    return MODELS_DIR
-
-
 def engine_args(ctx: BuildContext) -> list[str]:
     """Arguments of `stallfree serve` (the engine's CLI contract)."""
     s = ctx.spec
+    max_len = ["--max-model-len", str(s.model.max_model_len)] if s.model.max_model_len else []
     return [
         "--model", engine_model_arg(ctx),
+        "--served-model-name", s.model.name,
+        *max_len,
         "--host", "0.0.0.0",
         "--port", str(s.engine.port),
         "--policy", s.engine.policy,
@@ -80,7 +77,7 @@ def _env(ctx: BuildContext) -> list[dict]:
                 "valueFrom": {"secretKeyRef": {"name": api_key.name, "key": api_key.key}},
             }
         )
-    return env
+    return env + copy.deepcopy(list(ctx.spec.pod.env))
 
 
 def _resources(ctx: BuildContext) -> dict:
@@ -103,16 +100,12 @@ def _volumes(ctx: BuildContext) -> tuple[list[dict], list[dict]]:
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    source = ctx.spec.model.source
-    if source.type == "PersistentVolumeClaim":
-        volumes.append(
-            {"name": "models", "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True}}
-        )
-    elif source.type == "HostPath":
-        volumes.append({"name": "models", "hostPath": {"path": source.path, "type": "Directory"}})
-    if source.type != "Bundled":
-        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-    return volumes, mounts
+    models = model_volume(ctx)
+    if models is not None:
+        volumes.append(models)
+        mounts.append({"name": models["name"], "mountPath": MODELS_DIR, "readOnly": True})
+    pod = ctx.spec.pod
+    return volumes + copy.deepcopy(list(pod.volumes)), mounts + copy.deepcopy(list(pod.volume_mounts))
 
 
 def _probe(path: str, period: int, failures: int) -> dict:
@@ -124,9 +117,13 @@ def _probe(path: str, period: int, failures: int) -> dict:
     }
 
 
+def container_security_context() -> dict:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def engine_container(ctx: BuildContext, extra_env: list[dict] | None = None) -> dict:
     volumes_mounts = _volumes(ctx)[1]
-    return {
+    container = {
         "name": ENGINE_CONTAINER,
         "image": ctx.engine_image,
         "imagePullPolicy": ctx.spec.engine.image_pull_policy,
@@ -140,11 +137,11 @@ def engine_container(ctx: BuildContext, extra_env: list[dict] | None = None) -> 
         "startupProbe": _probe("/health", 5, 240),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
+    if ctx.spec.pod.env_from:
+        container["envFrom"] = copy.deepcopy(list(ctx.spec.pod.env_from))
+    return container
 
 
 def pod_template(
@@ -172,6 +169,10 @@ def pod_template(
         pod["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations
         ]
+    init = download_init_container(ctx, container_security_context())
+    if init is not None:
+        pod["initContainers"] = [init]
+    _pass_through(ctx, pod)
     return {
         "metadata": {
             "labels": {**labels(ctx.owner), **(extra_labels or {})},
@@ -184,6 +185,19 @@ def pod_template(
         },
         "spec": pod,
     }
+
+
+def _pass_through(ctx: BuildContext, pod: dict) -> None:
+    """spec.pod's pod-level fields, as written."""
+    p = ctx.spec.pod
+    if p.image_pull_secrets:
+        pod["imagePullSecrets"] = copy.deepcopy(list(p.image_pull_secrets))
+    if p.priority_class_name:
+        pod["priorityClassName"] = p.priority_class_name
+    if p.affinity:
+        pod["affinity"] = copy.deepcopy(p.affinity)
+    if p.topology_spread_constraints:
+        pod["topologySpreadConstraints"] = copy.deepcopy(list(p.topology_spread_constraints))
 
 
 def build_deployment(ctx: BuildContext) -> dict:

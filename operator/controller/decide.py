@@ -65,6 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from stallfree.costmodel.model import BUILTIN, CostModel
+from stallfree.operator.controller.cooldowns import restart, tick
 from stallfree.operator.controller.reading import Reading, read
 from stallfree.operator.controller.rules import (
     cut_on_tbt_violation,
@@ -145,10 +146,8 @@ def next_interval(state: State, r: Reading) -> State:
     ratios remembered for the next `raise_memory` raises."""
     cfg = r.cfg
     return replace(
-        state,
+        tick(state),
         recent_tbt=(*state.recent_tbt, r.tbt_now)[-cfg.raise_memory :] if cfg.raise_memory else (),
-        intervals_since_change=state.intervals_since_change + 1,
-        intervals_since_scale=state.intervals_since_scale + 1,
         slack_streak=state.slack_streak + 1 if r.all_slack else 0,
     )
 
@@ -162,9 +161,9 @@ def conclude(v: Verdict, r: Reading, st: State) -> Decision:
     if v.action != HOLD:
         s2 = replace(s2, slack_streak=0)
         if not v.admission_only:
-            s2 = replace(s2, intervals_since_change=0, last_direction=v.direction)
-        if v.scale and v.action in (SCALE_OUT, SCALE_IN, SHED, RESTORE):
-            s2 = replace(s2, intervals_since_scale=0)
+            s2 = replace(s2, last_direction=v.direction)
+        scaled = v.scale and v.action in (SCALE_OUT, SCALE_IN, SHED, RESTORE)
+        s2 = restart(s2, change=not v.admission_only, scale=scaled)
     if v.cut_slo is not None:
         s2 = replace(s2, cut_slo=v.cut_slo)
     names = [v.who] if v.who else [s.name for s in r.specs]

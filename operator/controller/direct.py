@@ -1,7 +1,8 @@
 """Metrics and settings straight from the engines' admin API (local mode without Prometheus).
 
 StatsSource turns every engine's GET /admin/v1/stats into one Snapshot (worst P99s over replicas, summed
-queues and rates); AdminApplier PATCHes /admin/v1/config on every engine. Both speak plain HTTP (httpx).
+queues and rates); read_settings reads what an engine runs (GET /admin/v1/config). Settings go the other
+way through applier.EngineApplier, the operator's applier too. Plain HTTP (httpx).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from stallfree.operator.controller.loop import ApplyFailed
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import ClusterSnapshot, Knobs, Settings, Snapshot
 
@@ -107,37 +107,6 @@ class StatsSource:
             replicas_seen=len(raws),
             kv_cache_usage=sum(kv) / len(kv) if kv else None,
         )
-
-
-class AdminApplier:
-    """PATCH /admin/v1/config on every engine whose last applied document differs (a new or restarted
-    engine has none: call forget(base) when one restarts)."""
-
-    def __init__(self, endpoints: Endpoints, token: str | None = None, timeout_s: float = 5.0) -> None:
-        self.endpoints = endpoints
-        self.token = token
-        self.timeout_s = timeout_s
-        self.applied: dict[str, dict] = {}
-
-    def forget(self, base: str) -> None:
-        self.applied.pop(base, None)
-
-    def __call__(self, settings: Settings) -> None:
-        doc = settings.engine_patch()
-        failed = []
-        for base in self.endpoints():
-            if self.applied.get(base) == doc:
-                continue
-            try:
-                r = httpx.patch(
-                    f"{base}/admin/v1/config", json=doc, headers=_headers(self.token), timeout=self.timeout_s
-                )
-                r.raise_for_status()
-                self.applied[base] = doc
-            except httpx.HTTPError as e:
-                failed.append(f"{base}: {e}")
-        if failed:
-            raise ApplyFailed("; ".join(failed))
 
 
 def read_settings(base: str, token: str | None, replicas: int, timeout_s: float = 5.0) -> Settings:

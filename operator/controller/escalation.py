@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from stallfree.operator.controller.cooldowns import CAP, SCALE, cooling, wait_out
 from stallfree.operator.controller.reading import Reading
 from stallfree.operator.controller.sizing import drain_bound, running_cap_within_target
 from stallfree.operator.controller.targets import shed_target, throttle_target
@@ -24,8 +25,8 @@ def escalate(
     (when allowed to shed) cap the lowest-priority cluster's running set if decodes are what is slow,
     else halve (or, with a trusted model, size) its queue bound."""
     cfg = r.cfg
-    if st.intervals_since_scale < cfg.scale_cooldown:
-        return hold(s, f"{why}; waiting for the last scale/shed to take effect")
+    if cooling(SCALE, st, cfg):
+        return wait_out(SCALE, s, why)
     if s.replicas < cfg.replicas_max:
         n = s.replicas + 1
         return Verdict(replace(s, replicas=n), SCALE_OUT, f"{why}: replicas {s.replicas} -> {n}")
@@ -42,8 +43,8 @@ def cap_running_set(r: Reading, s: Settings, st: State, why: str, throttle: tupl
     trusted model the largest that meets the TBT target. A lowered cap pauses prompts at the next
     iteration and running streams drain within a few, so it is judged after `cap_cooldown`, not the scale
     cooldown a new replica needs (the first interval after a change still holds stalls from before it)."""
-    if st.intervals_since_change < r.cfg.cap_cooldown:
-        return hold(s, f"{why}; cooling down after the last change")
+    if cooling(CAP, st, r.cfg):
+        return wait_out(CAP, s, why)
     name, half = throttle
     mr = running_cap_within_target(r, s, name, half, s.token_budget)
     return Verdict(

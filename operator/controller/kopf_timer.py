@@ -1,7 +1,8 @@
 """The budget controller inside the operator: one kopf timer per SarathiDeployment.
 
 Every `spec.controller.intervalSeconds` the timer reads the fleet's metrics from Prometheus, decides, and
-- PATCHes /admin/v1/config on every running engine pod (the change takes effect next iteration),
+- PATCHes /admin/v1/config on every running engine pod that does not run the settings yet (the change
+  takes effect next iteration; a hold writes nothing),
 - writes the tuned values to status (status.budget, status.trafficClusters[], status.desiredReplicas and
   the SLOMet / MetricsAvailable conditions) — never to spec, so GitOps tools see no drift,
 - re-applies the children, so the ConfigMap's engine.yaml carries the tuned values (a restarted pod comes
@@ -22,17 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import kopf
 
 from stallfree.operator.builders.meta import Owner, admin_secret_name, selector_string
+from stallfree.operator.controller.applier import EngineApplier, Target, Targets
 from stallfree.operator.controller.config import loop_inputs
-from stallfree.operator.controller.loop import ApplyFailed, ControlLoop
+from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import PrometheusSource
 from stallfree.operator.controller.types import HOLD, Knobs, Settings
 from stallfree.operator.reconcile import OperatorConfig, Reconciler
 from stallfree.operator.spec import GROUP, PLURAL, VERSION, SarathiSpec, parse_spec
-from stallfree.operator.status import merge_conditions
+from stallfree.operator.status import controller_status, merge_conditions
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 5.0  # the kopf timer's period; each resource acts on its own spec.controller.intervalSeconds
@@ -67,41 +68,49 @@ def settings_from_status(status: dict | None, replicas: int, fallback: Settings)
     )
 
 
-class PodApplier:
-    """PATCH /admin/v1/config on every Running engine pod of one SarathiDeployment."""
+def pod_targets(kube: Any, namespace: str, name: str, port: int) -> Targets:
+    """The Running engine pods of one SarathiDeployment, as the applier's targets. A pod is remembered by
+    its uid, IP and container restarts: a restarted engine reads engine.yaml again and is sent the
+    settings again."""
 
-    def __init__(self, reconciler: Reconciler, namespace: str, name: str, spec: SarathiSpec) -> None:
-        self.kube = reconciler.kube
-        self.namespace, self.name, self.spec = namespace, name, spec
-
-    def _token(self) -> str | None:
-        ref = self.spec.engine.admin_token_secret
-        secret = self.kube.get(
-            "v1", "Secret", self.namespace, ref.name if ref else admin_secret_name_for(self.name)
-        )
-        if not secret:
-            return None
-        raw = (secret.get("data") or {}).get(ref.key if ref else "token")
-        return base64.b64decode(raw).decode() if raw else None
-
-    def __call__(self, settings: Settings) -> None:
-        pods = self.kube.list("v1", "Pod", self.namespace, selector_string_for(self.name))
-        token = self._token()
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        failed = []
-        for pod in pods:
+    def targets() -> list[Target]:
+        out = []
+        for pod in kube.list("v1", "Pod", namespace, selector_string_for(name)):
             st = pod.get("status") or {}
             ip = st.get("podIP")
             if st.get("phase") != "Running" or not ip:
                 continue
             host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod IP needs brackets in a URL
-            url = f"http://{host}:{self.spec.engine.port}/admin/v1/config"
-            try:
-                httpx.patch(url, json=settings.engine_patch(), headers=headers, timeout=5).raise_for_status()
-            except httpx.HTTPError as e:
-                failed.append(f"{pod['metadata']['name']}: {e}")
-        if failed:
-            raise ApplyFailed("; ".join(failed))
+            meta = pod["metadata"]
+            restarts = sum(int(c.get("restartCount") or 0) for c in st.get("containerStatuses") or [])
+            key = f"{meta.get('uid') or meta['name']}/{ip}/{restarts}"
+            out.append(Target(f"http://{host}:{port}", meta["name"], key))
+        return out
+
+    return targets
+
+
+def admin_token(kube: Any, namespace: str, name: str, spec: SarathiSpec) -> Callable[[], str | None]:
+    """Looks up the engines' admin token in its Secret (spec.engine.adminTokenSecret, else the one the
+    operator made) when the applier has something to send."""
+    ref = spec.engine.admin_token_secret
+
+    def token() -> str | None:
+        secret = kube.get("v1", "Secret", namespace, ref.name if ref else admin_secret_name_for(name))
+        if not secret:
+            return None
+        raw = (secret.get("data") or {}).get(ref.key if ref else "token")
+        return base64.b64decode(raw).decode() if raw else None
+
+    return token
+
+
+def pod_applier(reconciler: Reconciler, namespace: str, name: str, spec: SarathiSpec) -> EngineApplier:
+    """The applier of one SarathiDeployment: its Running pods, its admin token."""
+    kube = reconciler.kube
+    return EngineApplier(
+        pod_targets(kube, namespace, name, spec.engine.port), admin_token(kube, namespace, name, spec)
+    )
 
 
 def admin_secret_name_for(name: str) -> str:
@@ -154,7 +163,7 @@ def step_resource(
         loop = ControlLoop.start(
             inp.specs, inp.config, inp.initial_budget, inp.initial_replicas,
             source=PrometheusSource(url, fleet_selector(ns, name), max_age_s=max(30.0, 3 * inp.interval_s)),
-            apply=PodApplier(memo.reconciler, ns, name, spec), window_s=inp.window_s,
+            apply=pod_applier(memo.reconciler, ns, name, spec), window_s=inp.window_s,
             min_window_s=min(inp.window_s, max(10.0, 2 * inp.interval_s)), model=inp.model,
         )  # fmt: skip
         loop.adopt(settings_from_status(body.get("status"), spec.replica_count(), loop.settings))
@@ -165,7 +174,7 @@ def step_resource(
     slot.next_at = now + spec.controller.interval_seconds
     was_holding = slot.loop.holding is not None
     step = slot.loop.step()
-    doc = slot.loop.status()
+    doc = controller_status(slot.loop)
     doc["conditions"] = merge_conditions((body.get("status") or {}).get("conditions"), doc["conditions"])
     patch.status.update(doc)
     if step.action != HOLD:

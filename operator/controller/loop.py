@@ -1,8 +1,9 @@
-"""One control step: read a snapshot, decide, apply, and describe it as the CR status document.
+"""One control step: read a snapshot, decide, apply, and remember what it saw and did.
 
 Shared by local mode (engines' metrics or a local Prometheus, admin API) and the kopf timer (Prometheus,
-every engine pod, CR status). Missing or stale metrics hold the last good settings and set the
-MetricsAvailable condition to False: the loop never guesses.
+every engine pod, CR status). Missing or stale metrics hold the last good settings and say why (`holding`;
+stallfree.operator.status.controller_status turns that into the MetricsAvailable condition): the loop
+never guesses.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from typing import Protocol
 
 from stallfree.costmodel.model import BUILTIN, CostModel
+from stallfree.operator.controller.applier import ApplyFailed
+from stallfree.operator.controller.cooldowns import all_pending, none_pending
 from stallfree.operator.controller.decide import decide, initial_settings, with_caps
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import (
@@ -35,15 +37,7 @@ class Source(Protocol):
     def snapshot(self, window_s: float, clusters: list[str]) -> Snapshot: ...
 
 
-class ApplyFailed(RuntimeError):
-    """Settings could not be applied to (some of) the engines."""
-
-
-Applier = Callable[[Settings], None]
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+Applier = Callable[[Settings], None]  # applier.EngineApplier, or local mode's wrapper around one
 
 
 @dataclass(slots=True)
@@ -73,7 +67,7 @@ class ControlLoop:
     clock: Callable[[], float] = time.time
     # A fresh loop waits out the cooldowns before its first change: a restarted controller does not jump
     # (adopt() drops them when it finds the spec's own settings in force).
-    state: State = field(default_factory=lambda: State(intervals_since_change=0, intervals_since_scale=0))
+    state: State = field(default_factory=lambda: all_pending(State()))
     holding: str | None = None  # why settings are held (missing data / failed apply); None when not
     apply_error: str | None = None  # the last apply's failure while it lasts (holding says so too)
     last_change: float = field(default=0.0)
@@ -120,7 +114,7 @@ class ControlLoop:
             log.warning("%s", self.holding)
             return self._record(Step(now, self.settings, HOLD, self.holding, snap, True, d))
         self.holding = self.apply_error = None
-        met = {s.name: m for s in self.specs if (m := _slo_met(s, snap.cluster(s.name))) is not None}
+        met = {s.name: m for s in self.specs if (m := s.slo.met(snap.cluster(s.name))) is not None}
         if d.settings != self.settings:
             self.last_change = now
         self.settings, self.state = d.settings, d.state
@@ -147,120 +141,5 @@ class ControlLoop:
         # Compared on this spec's clusters only: an engine may report others.
         ours = replace(found, clusters={s.name: found.knobs(s.name) for s in self.specs})
         if self.last is None and with_caps(ours, self.specs, b) == self.initial:
-            fresh = State()
-            self.state = replace(self.state, intervals_since_change=fresh.intervals_since_change,
-                                 intervals_since_scale=fresh.intervals_since_scale)  # fmt: skip
+            self.state = none_pending(self.state)
         self.settings = found
-
-    # ---- the status document (the CRD's .status, the same in local mode) -------------------------------
-    def status(self) -> dict:
-        step = self.last
-        snap = step.snapshot if step else None
-        s = self.settings
-        when = _iso(step.time) if step else None
-        clusters = []
-        all_met: bool | None = None
-        worst_tbt: float | None = None
-        for spec in self.specs:
-            k = s.knobs(spec.name)
-            item: dict = {"name": spec.name, "tokenBudget": s.token_budget, **k.as_engine()}
-            if snap is not None:
-                c = snap.cluster(spec.name)
-                obs = {
-                    "observedTtftP99Seconds": c.ttft_p99,
-                    "observedTbtP99Seconds": c.tbt_p99,
-                    "observedSchedulingDelayP50Seconds": c.scheduling_delay_p50,
-                }
-                item.update({k2: round(v, 4) for k2, v in obs.items() if v is not None})
-                item["queueLength"] = round(c.waiting, 2)
-                item["arrivalRate"] = round(c.arrival_rate, 3)
-                met = _slo_met(spec, c)
-                if met is not None:
-                    item["sloMet"] = met
-                    all_met = met if all_met is None else (all_met and met)
-                if c.tbt_p99 is not None:
-                    worst_tbt = max(worst_tbt or 0.0, c.tbt_p99)
-            if step and step.decision:
-                item["lastDecision"] = step.decision.cluster_actions.get(spec.name, step.action)
-                item["reason"] = step.decision.cluster_reasons.get(spec.name, step.reason)
-            elif step:
-                item["lastDecision"], item["reason"] = step.action, step.reason
-            if when:
-                item["lastDecisionTime"] = when
-            clusters.append(item)
-        budget: dict = {"tokenBudget": s.token_budget}
-        if worst_tbt is not None:
-            budget["observedTbtP99Seconds"] = round(worst_tbt, 4)
-        if step:
-            budget.update(lastDecision=step.action, lastDecisionTime=when, reason=step.reason)
-        return {
-            "budget": budget,
-            "desiredReplicas": s.replicas,
-            "trafficClusters": clusters,
-            "conditions": self.conditions(all_met),
-        }
-
-    def conditions(self, all_met: bool | None) -> list[dict]:
-        now = _iso(self.clock())
-        # Metrics read but the engines refused the settings: the data is fine, the apply is not; say so
-        # in its own condition rather than blaming the metrics.
-        if self.holding and self.apply_error is None:
-            metrics = {
-                "type": "MetricsAvailable",
-                "status": "False",
-                "reason": "HoldingSettings",
-                "message": self.holding,
-            }
-        else:
-            metrics = {
-                "type": "MetricsAvailable",
-                "status": "True",
-                "reason": "MetricsRead",
-                "message": "engine metrics are fresh",
-            }
-        if self.apply_error is not None:
-            applied = {
-                "type": "SettingsApplied",
-                "status": "False",
-                "reason": "ApplyFailed",
-                "message": f"holding last good settings: {self.apply_error}",
-            }
-        else:
-            applied = {
-                "type": "SettingsApplied",
-                "status": "True",
-                "reason": "Applied",
-                "message": "every engine runs the settings in status",
-            }
-        if all_met is None:
-            slo = {
-                "type": "SLOMet",
-                "status": "Unknown",
-                "reason": "NoData",
-                "message": "no traffic observed in the window",
-            }
-        elif all_met:
-            slo = {
-                "type": "SLOMet",
-                "status": "True",
-                "reason": "SLOsMet",
-                "message": "every traffic cluster met its SLOs",
-            }
-        else:
-            slo = {
-                "type": "SLOMet",
-                "status": "False",
-                "reason": "SLOViolated",
-                "message": self.last.reason if self.last else "",
-            }
-        return [{**c, "lastTransitionTime": now} for c in (metrics, applied, slo)]
-
-
-def _slo_met(spec: ClusterSpec, c) -> bool | None:
-    pairs = [
-        (c.tbt_p99, spec.slo.tbt_p99),
-        (c.ttft_p99, spec.slo.ttft_p99),
-        (c.scheduling_delay_p50, spec.slo.scheduling_delay_p50),
-    ]
-    seen = [(o, s) for o, s in pairs if o is not None]
-    return None if not seen else all(o <= s for o, s in seen)

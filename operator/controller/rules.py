@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from stallfree.operator.controller.cooldowns import GROW, SCALE, SHRINK, cooling, wait_out
 from stallfree.operator.controller.escalation import escalate
 from stallfree.operator.controller.reading import Reading
 from stallfree.operator.controller.sizing import (
@@ -56,8 +57,8 @@ def cut_on_tbt_violation(r: Reading, s: Settings, st: State) -> Verdict | None:
         return None
     why = _tbt_why(r, worst)
     stricter = st.last_direction == -1 and st.cut_slo is not None and r.tbt_slo(worst[1]) < st.cut_slo
-    if st.intervals_since_change < cfg.shrink_cooldown and st.last_direction != 1 and not stricter:
-        return hold(s, f"{why}; cooling down after the last change")
+    if cooling(SHRINK, st, cfg) and st.last_direction != 1 and not stricter:
+        return wait_out(SHRINK, s, why)
     nb = cfg.clamp_budget(min(r.budget_limit, b - cfg.align))
     lowered = replace(s, token_budget=nb)
     aim = min(r.tbt_slo(name) for name, _ in r.tbt_now)  # the calibrated limit holds all of them
@@ -128,8 +129,8 @@ def restore_running_cap_under_pressure(r: Reading, s: Settings, st: State) -> Ve
     if mr is None:
         return None
     why = _pressure_why(r, s)
-    if st.intervals_since_change < r.cfg.grow_cooldown:
-        return hold(s, f"{why}; cooling down after the last change")
+    if cooling(GROW, st, r.cfg):
+        return wait_out(GROW, s, why)
     return Verdict(
         s.with_knobs(name, max_running=mr),
         RESTORE,
@@ -147,11 +148,7 @@ def reopen_a_shed_queue(r: Reading, s: Settings, st: State) -> Verdict | None:
     if not r.pressed or not r.raise_slack or b >= cfg.budget_max:
         return None
     nb = raise_budget(r, s)
-    if (
-        nb <= b
-        or st.intervals_since_change >= cfg.grow_cooldown
-        or st.intervals_since_scale < cfg.scale_cooldown
-    ):
+    if nb <= b or not cooling(GROW, st, cfg) or cooling(SCALE, st, cfg):
         return None
     queue = reopen_target(r.snap, s, r.specs, r.pressure)
     if queue is None:
@@ -180,8 +177,8 @@ def raise_on_slack(r: Reading, s: Settings, st: State) -> Verdict | None:
     if nb <= b:
         return None
     why = _pressure_why(r, s)
-    if st.intervals_since_change < cfg.grow_cooldown:
-        return hold(s, f"{why}; cooling down after the last change")
+    if cooling(GROW, st, cfg):
+        return wait_out(GROW, s, why)
     return Verdict(
         replace(s, token_budget=nb), RAISE, f"{why}, TBT has slack: budget {b} -> {nb}", direction=1
     )
@@ -229,7 +226,7 @@ def hold_under_pressure(r: Reading, s: Settings, st: State) -> Verdict | None:
 
 
 def _lasting_slack(r: Reading, st: State) -> bool:
-    return st.slack_streak >= r.cfg.scale_in_after and st.intervals_since_scale >= r.cfg.scale_cooldown
+    return st.slack_streak >= r.cfg.scale_in_after and not cooling(SCALE, st, r.cfg)
 
 
 def give_back_shed_load(r: Reading, s: Settings, st: State) -> Verdict | None:

@@ -22,6 +22,16 @@ class Slo:
             if getattr(self, name) <= 0:
                 raise ValueError(f"slo.{name} must be positive, got {getattr(self, name)!r}")
 
+    def met(self, c: ClusterSnapshot) -> bool | None:
+        """Whether every objective with a sample in `c` held; None when none has a sample (no traffic)."""
+        pairs = [
+            (c.tbt_p99, self.tbt_p99),
+            (c.ttft_p99, self.ttft_p99),
+            (c.scheduling_delay_p50, self.scheduling_delay_p50),
+        ]
+        seen = [(o, s) for o, s in pairs if o is not None]
+        return None if not seen else all(o <= s for o, s in seen)
+
 
 @dataclass(frozen=True, slots=True)
 class Knobs:

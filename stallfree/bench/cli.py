@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from stallfree.bench import accuracy_cmd, capacity_cmd, sweep_cmd
+from stallfree.bench import capacity_cmd, sweep_cmd
 from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import (
     add_workload_args,
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="stallfree bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,capacity,sweep,accuracy}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{serve,capacity,sweep}")
     fmt = argparse.RawDescriptionHelpFormatter
 
     s = sub.add_parser(
@@ -152,27 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(w)
     w.add_argument("--out", default="results/sweep")
 
-    acc = sub.add_parser(
-        "accuracy",
-        help="the simulator against a measured capacity run",
-        description=accuracy_cmd.__doc__,
-        formatter_class=fmt,
-    )
-    acc.add_argument("capacity", help="capacity.json of a `stallfree bench capacity` run")
-    acc.add_argument("--cost-model", required=True, help="cost_model.json from `stallfree profile`")
-    acc.add_argument("--contention", type=float, default=1.0, help="multiply predicted iteration times")
-    acc.add_argument(
-        "--tolerance", type=float, default=0.05, help="simulated capacity search's bracket width"
-    )
-    acc.add_argument("--out", default="results/accuracy")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "accuracy":
-        return accuracy_cmd.main_accuracy(args)
     try:
         # The arguments alone first, so a typo is reported before any file is read.
         slos = tbt_slos(args.slo_tbt)

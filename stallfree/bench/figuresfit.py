@@ -1,4 +1,4 @@
-"""`stallfree profile --from-figures engine.json`: a GPU cost model fitted to `stallfree engine-bench` figures.
+"""`stallfree profile --from-figures engine.json`: a GPU cost model fitted to `python -m experiments.engine_bench` figures.
 
 When no GPU is at hand to run a `profile` grid, the figures one engine-bench run left behind (decode steps
 at batch 1 / 32 / 128, a one-shot prefill, the same prompt chunked at three budgets, a hybrid iteration and
@@ -20,7 +20,7 @@ each (the decode kernel's time against decode_kv alone, the flash kernel's again
 without them decode_kv and decode_tokens are inseparable (every decode figure is at context 1024). The
 held-out error is leave-one-out over the timed figures (the kernel rows always stay in).
 
-The iterations each figure timed mirror stallfree.bench.engine_gpu (Plan and the bench functions): decode
+The iterations each figure timed mirror experiments.engine_bench_gpu (Plan and the bench functions): decode
 steps after the decodes reached their first token and three warm steps; the hybrid and chunk-alone
 figures are medians over the 512-token chunks of a 4096-token prompt (its last chunk, which samples, left
 out), so the median chunk starts at 1536; the hybrid's profiled step is the prompt's second chunk.

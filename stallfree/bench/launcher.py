@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,9 @@ from pathlib import Path
 import httpx
 
 from stallfree.bench.simulator import split_policy
+from stallfree.ports import free_port
 
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)

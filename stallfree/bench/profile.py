@@ -79,7 +79,9 @@ class _Capture:
         return self.last
 
 
-def _ids(vocab: int, n: int, salt: int) -> list[int]:
+def synthetic_ids(vocab: int, n: int, salt: int = 0) -> list[int]:
+    """n deterministic prompt token ids, different for each salt, clear of the vocabulary's first 100 and last
+    200 ids (special and rare tokens): prompts whose cost, not content, is measured."""
     return [(1009 * (i + 1) + 7919 * salt) % (vocab - 300) + 100 for i in range(n)]
 
 
@@ -118,7 +120,7 @@ def profile_grid(
     cap = _Capture(engine)
     long_run = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     # Warm-up: the first iterations of a process are slow (allocator, kernels' first calls).
-    engine.add_request("warm", _ids(vocab, 256, 0), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.add_request("warm", synthetic_ids(vocab, 256, 0), SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
     points, salt = [], 1
@@ -126,7 +128,7 @@ def profile_grid(
         for dctx in decode_ctxs if n_dec else [0]:
             _set_budget(engine, 8192)
             for b in range(n_dec):
-                engine.add_request(f"d{b}", _ids(vocab, dctx, salt + b), long_run)
+                engine.add_request(f"d{b}", synthetic_ids(vocab, dctx, salt + b), long_run)
             salt += n_dec
             while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
                 engine.step()
@@ -137,7 +139,7 @@ def profile_grid(
                         continue  # decode-only iterations do not depend on the prefill context
                     if c:
                         engine.add_request(
-                            "p", _ids(vocab, pctx + c * reps + 1, salt), SamplingParams(max_tokens=1)
+                            "p", synthetic_ids(vocab, pctx + c * reps + 1, salt), SamplingParams(max_tokens=1)
                         )
                         salt += 1
                         if pctx:
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     "the period between iteration ends (what a streaming client sees) or the step's own "
                     "wall time (default %(default)s)")  # fmt: skip
     ap.add_argument("--from-figures", metavar="ENGINE_JSON", default=None, help="fit a GPU cost model to "
-                    "the figures of one `stallfree engine-bench --device cuda` run (engine.json) instead of "
+                    "the figures of one `python -m experiments.engine_bench --device cuda` run (engine.json) instead of "
                     "profiling a grid (stallfree.bench.figuresfit)")  # fmt: skip
     ap.add_argument("--backend", default=None, help="with --from-figures: the backend row to fit "
                     "(default: the run's default backend)")  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,16 +22,12 @@ import yaml
 
 from stallfree.operator.builders.config import engine_config
 from stallfree.operator.builders.meta import BuildContext, Owner, Tuned
+from stallfree.operator.controller.applier import Target
 from stallfree.operator.controller.types import Settings
 from stallfree.operator.spec import SarathiSpec
+from stallfree.ports import free_port
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_engine_config(
@@ -81,7 +76,6 @@ class EngineFleet:
     admin_token: str
     stats_window_s: float
     replicas: list[Replica] = field(default_factory=list)
-    on_restart: list = field(default_factory=list)  # callbacks(replica) after a replica came back
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def command(self, port: int) -> list[str]:
@@ -91,10 +85,13 @@ class EngineFleet:
         cmd += ["--block-size", str(s.engine.block_size), "--dtype", s.model.dtype]
         cmd += ["--traffic-clusters", str(self.config_path)]  # the admin token goes by env (_spawn)
         cmd += ["--stats-window", str(self.stats_window_s), "--log-level", "warning"]
+        cmd += ["--served-model-name", s.model.name]  # clients send spec.model.name, as in the cluster
         if s.model.max_model_len:
             cmd += ["--max-model-len", str(s.model.max_model_len)]
         if s.model.source.type == "HostPath" and s.model.source.path:
             cmd += ["--model", s.model.source.path]
+        elif s.model.source.type == "HuggingFace" and s.model.source.uri:
+            cmd += ["--model", s.model.source.uri]  # serve downloads it once into the local model cache
         return cmd
 
     def _spawn(self, r: Replica) -> None:
@@ -146,12 +143,14 @@ class EngineFleet:
                     r.ready = httpx.get(f"{r.base}/ready", timeout=2).status_code == 200
                 except httpx.HTTPError:
                     r.ready = False
-                if r.ready and r.restarts:
-                    for cb in self.on_restart:
-                        cb(r)
 
     def endpoints(self) -> list[str]:
         return [r.base for r in self.replicas if r.ready and r.alive()]
+
+    def targets(self) -> list[Target]:
+        """The ready replicas, for the controller's applier: a restarted replica is a new incarnation
+        (it read engine.yaml afresh), so it is sent the settings again."""
+        return [Target(r.base, key=f"{r.base}#{r.restarts}") for r in self.replicas if r.ready and r.alive()]
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         deadline = time.monotonic() + timeout_s

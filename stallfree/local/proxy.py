@@ -3,6 +3,9 @@
 /v1/* goes to the replica with the fewest requests in flight through this proxy (ties: the first), streamed
 through unchanged (SSE included); a replica that refuses the connection is skipped before any byte is sent,
 one that drops it before answering gets the request once more, and a transport failure is a 502 JSON error.
+A stream never ends silently: SSE is relayed event by event, and when the replica's stream breaks (it died,
+the connection dropped) or ends without `data: [DONE]`, the client gets an error event in the OpenAI shape
+and then [DONE], so the openai SDK raises instead of returning a short answer as if it were whole.
 Also: /health, /ready, /metrics (the controller's decisions) and GET /admin/v1/status (the status document,
 bearer token only when one is configured or the proxy binds beyond loopback).
 """
@@ -11,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -37,8 +41,38 @@ HOP_BY_HOP = {
 }
 
 
+SSE_DONE = b"data: [DONE]\n\n"
+
+
 def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n" + SSE_DONE
+
+
+async def relay_sse(resp: httpx.Response, base: str) -> AsyncIterator[bytes]:
+    """The replica's SSE body, whole events at a time; an error event when it breaks or ends early."""
+    pending, done = b"", False
+    try:
+        async for chunk in resp.aiter_raw():
+            pending += chunk
+            cut = pending.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            events, pending = pending[: cut + 2], pending[cut + 2 :]
+            done = events.endswith(SSE_DONE)
+            yield events
+    except httpx.TransportError as e:
+        log.warning("replica %s broke a stream mid-way: %r", base, e)
+        yield _sse_error(f"the engine replica serving this stream failed mid-way ({type(e).__name__}); "
+                         "the output is incomplete: retry the request")  # fmt: skip
+        return
+    if not done:
+        log.warning("replica %s ended a stream without [DONE]", base)
+        yield _sse_error("the engine replica ended this stream before it was complete; retry the request")
 
 
 class Router:
@@ -100,8 +134,9 @@ def build_app(
                 await resp.aclose()
 
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
+            is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
             return StreamingResponse(
-                resp.aiter_raw(),
+                relay_sse(resp, base) if is_sse else resp.aiter_raw(),
                 status_code=resp.status_code,
                 headers=out_headers,
                 background=BackgroundTask(done),

@@ -17,11 +17,13 @@ from pathlib import Path
 from stallfree.costmodel.model import load_cost_model
 from stallfree.local.config import LocalDeployment
 from stallfree.local.engines import EngineFleet, write_engine_config
+from stallfree.operator.controller.applier import EngineApplier
 from stallfree.operator.controller.config import loop_inputs
-from stallfree.operator.controller.direct import AdminApplier, StatsSource, read_settings
+from stallfree.operator.controller.direct import StatsSource, read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.metrics import ControllerMetrics
 from stallfree.operator.controller.types import Settings
+from stallfree.operator.status import controller_status
 
 log = logging.getLogger("stallfree.local")
 
@@ -48,8 +50,7 @@ class LocalRun:
             admin_token=self.engine_token,
             stats_window_s=inp.window_s,
         )
-        self.applier = AdminApplier(self.fleet.endpoints, self.engine_token)
-        self.fleet.on_restart.append(lambda r: self.applier.forget(r.base))
+        self.applier = EngineApplier(self.fleet.targets, self.engine_token)
         if args.prometheus:
             from stallfree.operator.controller.prometheus import PrometheusSource
 
@@ -72,7 +73,8 @@ class LocalRun:
         )
         self.metrics = ControllerMetrics()
         self.loop.observers.append(self.metrics.observe)
-        write_engine_config(self.fleet.config_path, dep.name, dep.doc["spec"], spec, self.loop.settings)
+        self._written = self.loop.settings  # what engine.yaml holds
+        write_engine_config(self.fleet.config_path, dep.name, dep.doc["spec"], spec, self._written)
 
     @staticmethod
     def _cooldowns(spec) -> dict:
@@ -89,14 +91,16 @@ class LocalRun:
         if settings.replicas != len(self.fleet.replicas):
             self.fleet.scale_to(settings.replicas)
             self.write_targets()
-        write_engine_config(
-            self.fleet.config_path, self.dep.name, self.dep.doc["spec"], self.dep.spec, settings
-        )
+        if settings != self._written:  # a hold rewrites nothing
+            write_engine_config(
+                self.fleet.config_path, self.dep.name, self.dep.doc["spec"], self.dep.spec, settings
+            )
+            self._written = settings
         self.applier(settings)
 
     def status(self) -> dict:
         doc = (
-            self.loop.status()
+            controller_status(self.loop)
             if self.loop.last
             else {"budget": {"tokenBudget": self.loop.settings.token_budget}}
         )

@@ -65,7 +65,7 @@ def test_bad_input_is_refused_with_a_message(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["serve", "--help"], ["capacity", "--help"], ["sweep", "--help"], ["accuracy", "--help"]],
+    [["--help"], ["serve", "--help"], ["capacity", "--help"], ["sweep", "--help"]],
 )
 def test_bench_help(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -68,7 +68,7 @@ def test_the_figures_each_time_the_iterations_engine_bench_ran():
 
 
 def test_the_plan_mirrors_engine_bench():
-    engine_gpu = pytest.importorskip("stallfree.bench.engine_gpu")
+    engine_gpu = pytest.importorskip("experiments.engine_bench_gpu")
     plan = engine_gpu.Plan()
     assert {k: getattr(plan, k) for k in figuresfit.PLAN} == figuresfit.PLAN
 

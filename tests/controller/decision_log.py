@@ -1,11 +1,11 @@
-"""Every decision `stallfree phase-sim` takes, interval by interval, as JSON lines: the check that a change
+"""Every decision `python -m experiments.phase.sim` takes, interval by interval, as JSON lines: the check that a change
 meant to keep the decision core's behaviour (a refactor) keeps it.
 
     python tests/controller/decision_log.py LOG.jsonl -- --cost-model docs/figures/engine/cost_model_grouped_decode.json \
         --out DIR --seeds 0,1,2,3,4
 
-Runs the phase-sim command as it is (looked up by its name, so it keeps working wherever the command's
-module lives) with `decide` wrapped: each line holds the seed, the interval's time, the action and reason,
+Runs the phase-sim experiment as it is (experiments/phase/sim.py, imported from the repository root) with
+`decide` wrapped: each line holds the seed, the interval's time, the action and reason,
 the per-cluster actions and reasons, and the settings and controller state decided. Run it before and
 after the change and `diff` the two logs: empty means the same decisions.
 """
@@ -16,8 +16,10 @@ import dataclasses
 import importlib
 import json
 import sys
+from pathlib import Path
 
-from stallfree.cli import COMMANDS
+REPO = Path(__file__).resolve().parents[2]
+PHASE_SIM = "experiments.phase.sim"
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +27,9 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     log_path, sim_args = argv[0], argv[2:]
-    pe = importlib.import_module(COMMANDS["phase-sim"][0])
+    if str(REPO) not in sys.path:  # run as a script: the experiments folder sits at the repository root
+        sys.path.insert(0, str(REPO))
+    pe = importlib.import_module(PHASE_SIM)
     decide, one_seed = pe.decide, pe.one_seed
     seed = [None]
     lines: list[str] = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,13 +15,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from stallfree.ports import free_port
+
 BINARY = shutil.which("prometheus") or "/usr/bin/prometheus"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def available() -> bool:

@@ -177,6 +177,23 @@ def test_up_serves_streams_reports_status_and_stops_children(tmp_path):
             httpx.get(f"{url}/health", timeout=2)
 
 
+def test_model_name_and_max_model_len_reach_the_engine(tmp_path):
+    """spec.model.name becomes the engine's --served-model-name (what clients send as `model`, as in the
+    cluster) and spec.model.maxModelLen its --max-model-len: parsed by `stallfree serve` itself."""
+    from stallfree.engine.serve_cli import build_configs, build_parser
+    from stallfree.local.engines import EngineFleet
+
+    spec = load(LOCAL).spec.model_copy(
+        update={"model": load(LOCAL).spec.model.model_copy(update={"name": "my-chat", "max_model_len": 4096})}
+    )
+    fleet = EngineFleet("d", spec, tmp_path, tmp_path / "engine.yaml", "token", 60.0)
+    (tmp_path / "engine.yaml").write_text("tokenBudget: 256\n")
+    cmd = fleet.command(free_port())
+    assert cmd[cmd.index("--served-model-name") + 1] == "my-chat"
+    engine_config, settings = build_configs(build_parser().parse_args(cmd[cmd.index("serve") + 1 :]))
+    assert settings.served_model_names == ("my-chat",) and engine_config.max_model_len == 4096
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_spec_controller_enabled_decides_whether_local_mode_retunes(tmp_path, monkeypatch, enabled):
     """controller.enabled: false serves the spec's settings, as the kopf timer does in a cluster."""
@@ -227,6 +244,25 @@ def test_an_engine_token_starting_with_a_dash_reaches_the_engine(monkeypatch):
         ok = httpx.get(f"{base}/admin/v1/config", headers={"authorization": f"Bearer {token}"})
         assert ok.status_code == 200 and ok.json()["tokenBudget"] > 0, ok.text
         assert httpx.get(f"{base}/admin/v1/config").status_code == 401
+    finally:
+        run.fleet.stop()
+        shutil.rmtree(run.run_dir, ignore_errors=True)
+
+
+def test_a_hub_source_reaches_serve_as_its_uri():
+    """Local mode hands an hf:// source to `stallfree serve`, which downloads it once into the local model
+    cache (engine/hub.py); the served name and length limit come from the spec as in a cluster."""
+    import shutil
+
+    import stallfree.local.run as run_mod
+    from stallfree.local import build_parser
+
+    example = REPO / "examples" / "llama-3.1-8b-hf.yaml"
+    run = run_mod.LocalRun(load(example), build_parser().parse_args([str(example)]), None)
+    try:
+        cmd = run.fleet.command(free_port())
+        assert cmd[cmd.index("--model") + 1] == "hf://meta-llama/Llama-3.1-8B-Instruct@main"
+        assert cmd[cmd.index("--max-model-len") + 1] == "8192"
     finally:
         run.fleet.stop()
         shutil.rmtree(run.run_dir, ignore_errors=True)

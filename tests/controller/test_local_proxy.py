@@ -86,3 +86,42 @@ def test_a_replica_that_keeps_dropping_gets_an_explicit_502():
     error = resp.json()["error"]
     assert error["type"] == "bad_gateway" and "closed the connection before answering" in error["message"]
     assert replica.requests == 2
+
+
+class ShortStreamReplica:
+    """Answers every request with a well-formed SSE body that stops before `data: [DONE]` (a replica whose
+    stream was cut at an event boundary), then closes."""
+
+    BODY = b'data: {"choices": [{"index": 0, "text": "Hel"}]}\n\ndata: {"choices": [{"index": 0, "text": "lo"}]}\n\n'
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY)
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_stream_that_ends_without_done_gets_an_error_event():
+    replica = ShortStreamReplica()
+    resp = post_through_proxy(replica)
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["Hel", "lo"]  # relayed unchanged
+    assert "before it was complete" in json.loads(events[2])["error"]["message"]
+    assert events[3:] == ["[DONE]"]

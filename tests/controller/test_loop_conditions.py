@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from controller_factories import make_config, make_snapshot, make_specs
 
-from stallfree.operator.controller.loop import ApplyFailed, ControlLoop
+from stallfree.operator.controller.applier import ApplyFailed
+from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import State
+from stallfree.operator.status import controller_status
 
 
 class Source:
@@ -32,7 +34,7 @@ class Applier:
 
 
 def conditions(loop: ControlLoop) -> dict[str, dict]:
-    return {c["type"]: c for c in loop.status()["conditions"]}
+    return {c["type"]: c for c in controller_status(loop)["conditions"]}
 
 
 def make_loop(**cfg):

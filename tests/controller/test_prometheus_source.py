@@ -13,6 +13,7 @@ from promserver import PrometheusServer, available
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import MetricsUnavailable, PrometheusSource
 from stallfree.operator.controller.types import HOLD, LOWER
+from stallfree.operator.status import controller_status
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -84,7 +85,7 @@ def test_tbt_violation_lowers_budget_then_prometheus_down_holds(fleet):
     try:
         step = loop.step()
         assert step.action == HOLD and step.holding and loop.settings == tuned
-        status = loop.status()
+        status = controller_status(loop)
         cond = {c["type"]: c for c in status["conditions"]}
         assert cond["MetricsAvailable"]["status"] == "False"
         assert "Prometheus" in cond["MetricsAvailable"]["message"]

@@ -24,10 +24,12 @@ import pytest
 import yaml
 from promserver import PrometheusServer, available, free_port
 
-from stallfree.operator.controller.direct import AdminApplier, read_settings
+from stallfree.operator.controller.applier import EngineApplier, Target
+from stallfree.operator.controller.direct import read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.prometheus import PrometheusSource
 from stallfree.operator.controller.types import HOLD, LOWER, RAISE, ClusterSpec, ControllerConfig, Knobs, Slo
+from stallfree.operator.status import controller_status
 
 pytestmark = [
     pytest.mark.prometheus,
@@ -86,7 +88,8 @@ class Engine:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise AssertionError("engine not ready")
+        self.stop()  # the fixture never gets to: no engine left running after a failed start
+        raise AssertionError(f"engine not ready after {timeout:g} s")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -169,7 +172,7 @@ def make_loop(prom: PrometheusServer, engine: Engine, chat_tbt_slo: float) -> Co
     loop = ControlLoop.start(
         specs, cfg, 1024, 1,
         source=PrometheusSource(prom.url, 'job="stallfree"', max_age_s=10),
-        apply=AdminApplier(lambda: [engine.base], TOKEN), window_s=12, min_window_s=4,
+        apply=EngineApplier(lambda: [Target(engine.base)], TOKEN), window_s=12, min_window_s=4,
     )  # fmt: skip
     loop.adopt(read_settings(engine.base, TOKEN, 1))
     return loop
@@ -232,7 +235,7 @@ def test_phase_shift_lowers_then_raises_budget(stack):
             (s.action, s.reason, s.snapshot and s.snapshot.cluster("chat").tbt_p99) for s in steps
         ] + [f"SLO {slo:.3f}s"]
         assert loop.settings.token_budget > tuned
-        status = loop.status()
+        status = controller_status(loop)
         assert status["budget"]["tokenBudget"] == loop.settings.token_budget
         assert {c["name"] for c in status["trafficClusters"]} == {"chat", "summarization"}
     finally:
@@ -251,7 +254,7 @@ def test_faults_prometheus_down_engine_restart_controller_restart(stack):
     try:
         step = loop.step()
         assert step.holding and step.action == HOLD and loop.settings == tuned
-        cond = {c["type"]: c for c in loop.status()["conditions"]}["MetricsAvailable"]
+        cond = {c["type"]: c for c in controller_status(loop)["conditions"]}["MetricsAvailable"]
         assert cond["status"] == "False" and "Prometheus" in cond["message"]
     finally:
         prom.start()

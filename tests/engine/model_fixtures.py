@@ -101,13 +101,48 @@ def train_tiny_tokenizer(vocab_size: int = 320) -> Tokenizer:
     return tok
 
 
+# Qwen2/Qwen3's tokenizer.json split rule (before byte-level BPE): digits one by one, letters with at most
+# one leading non-letter, punctuation runs, newlines kept together.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def train_qwen_style_tokenizer(vocab_size: int = 320) -> Tokenizer:
+    """A byte-level BPE tokenizer laid out as Qwen2/Qwen3's tokenizer.json is: NFC normaliser, the Qwen
+    split regex then ByteLevel without its own regex, and the special tokens appended after the BPE
+    vocabulary (<|endoftext|>, <|im_start|>, <|im_end|> are the last three ids, as in Qwen's)."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
 def bpe_vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
-    """(tokens by id, merges as "a b" strings) of a trained byte-level BPE tokenizer."""
-    model = json.loads(tok.to_str())["model"]
-    vocab: dict[str, int] = model["vocab"]
-    tokens = [""] * len(vocab)
-    for text, i in vocab.items():
-        tokens[i] = text
+    """(tokens by id, added tokens included; merges as "a b" strings) of a byte-level BPE tokenizer."""
+    data = json.loads(tok.to_str())
+    model = data["model"]
+    by_id: dict[int, str] = {i: text for text, i in model["vocab"].items()}
+    by_id.update({t["id"]: t["content"] for t in data.get("added_tokens", [])})
+    tokens = [by_id[i] for i in range(len(by_id))]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     return tokens, merges
 
@@ -117,7 +152,8 @@ def make_tiny_hf_model(
 ) -> Any:
     """A random 2-layer transformers model (hidden 64, 4 heads, 2 KV heads) with non-trivial weights.
 
-    arch: "llama", "mistral" or "qwen2" (q/k/v biases); config_kw go to the transformers config. Every weight is redrawn, biases included, so a
+    arch: "llama", "mistral", "qwen2" (q/k/v biases) or "qwen3" (q/k norms); config_kw go to the
+    transformers config (overriding these defaults). Every weight is redrawn, biases and norms included, so a
     mis-mapped or mis-permuted tensor shows up in the logits.
     """
     import transformers
@@ -126,9 +162,10 @@ def make_tiny_hf_model(
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     }
     config_cls, model_cls = (getattr(transformers, n) for n in cls_names[arch])
-    config = config_cls(
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -140,8 +177,8 @@ def make_tiny_hf_model(
         tie_word_embeddings=tie,
         bos_token_id=1,
         eos_token_id=2,
-        **config_kw,
     )
+    config = config_cls(**{**fields, **config_kw})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():
@@ -166,6 +203,8 @@ _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm",
@@ -193,16 +232,23 @@ def write_gguf(
     permute: bool = True,
     rope_freqs: np.ndarray | None = None,
     linear_rope_factor: float | None = None,
+    tokenizer_pre: str = "gpt-2",
+    special_tokens: tuple[str, ...] = tuple(SPECIAL_TOKENS),
+    bos_eos: tuple[int, int] = (1, 2),
 ) -> Path:
     """Write a transformers model and tokenizer as llama.cpp's converter would (Q/K permuted for "llama").
 
     Matrices are stored as `qtype` (1-D tensors stay F32, as llama.cpp keeps norms); tied embeddings mean
     no output.weight. RoPE scaling as llama.cpp stores it: `rope_freqs` (Llama 3.1 frequency divisors) or
-    linear scaling metadata.
+    linear scaling metadata. A head_dim other than hidden / heads goes in key_length / value_length.
     """
     cfg = hf_model.config
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
     w = GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -218,12 +264,12 @@ def write_gguf(
         w.add_tensor("rope_freqs.weight", np.ascontiguousarray(rope_freqs, dtype=np.float32))
     tokens, merges = bpe_vocab_and_merges(tok)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_types([3 if t in special_tokens else 1 for t in tokens])
     w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_bos_token_id(bos_eos[0])
+    w.add_eos_token_id(bos_eos[1])
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
     for name, tensor in hf_model.state_dict().items():

@@ -24,7 +24,9 @@ from stallfree.engine.serve_cli import SHAPE_NAMES
 MAX_LEN = 128
 
 # Parameter counts of the real checkpoints these shapes copy (their model cards / safetensors indexes).
-REAL_PARAMS = {"smollm2-135m": 134_515_008, "llama3-8b": 8_030_261_248, "mistral-7b": 7_241_732_096}
+REAL_PARAMS = {
+    "smollm2-135m": 134_515_008, "llama3-8b": 8_030_261_248, "mistral-7b": 7_241_732_096, "qwen3-8b": 8_190_735_360,
+}  # fmt: skip
 
 
 def hf_config(**overrides) -> dict:

@@ -106,3 +106,19 @@ def test_min_tokens_suppresses_stop_tokens(llm, prompt):
 def test_bad_sampling_params_say_what_to_change(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_penalised_neighbours_leave_plain_requests_bit_identical(llm, prompt, default_model):
+    """Greedy requests without penalties give the same tokens and logprobs whether or not penalised and
+    biased requests share their batches (which themselves do change their own outputs)."""
+    plain = greedy(16, logprobs=3)
+    alone = llm.generate([prompt], plain, use_tqdm=False)[0]
+    other = prompt_ids(default_model.tokenizer, 40)
+    pen = greedy(16, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3,
+                 logit_bias={int(alone.token_ids[0]): -100.0})  # fmt: skip
+    outs = llm.generate([other, prompt, prompt], [pen, plain, pen], use_tqdm=False)
+    assert outs[1].token_ids == alone.token_ids
+    assert [lp.logprob for lp in outs[1].logprobs] == pytest.approx(
+        [lp.logprob for lp in alone.logprobs], abs=1e-5
+    )
+    assert outs[2].token_ids[0] != alone.token_ids[0]  # banned by its logit_bias

@@ -11,6 +11,7 @@ Regression guards for faults found while writing the real-operator test (test_co
 
 from __future__ import annotations
 
+import base64
 import copy
 import logging
 import types
@@ -19,11 +20,13 @@ import httpx
 import pytest
 import yaml
 from controller_factories import make_snapshot
+from fake_engine import FakeEngine
 from promserver import free_port
 
+from stallfree.operator.controller import applier as applier_module
 from stallfree.operator.controller import kopf_timer
-from stallfree.operator.controller.kopf_timer import PodApplier, step_resource
-from stallfree.operator.controller.loop import ApplyFailed
+from stallfree.operator.controller.applier import ApplyFailed, EngineApplier
+from stallfree.operator.controller.kopf_timer import pod_applier, step_resource
 from stallfree.operator.controller.prometheus import MetricsUnavailable
 from stallfree.operator.controller.types import Settings
 from stallfree.operator.kube import Applied
@@ -145,20 +148,24 @@ def test_holding_posts_one_warning_when_it_starts(timer):
     assert len([e for e in timer.posted if e[0] == "Warning"]) == 2
 
 
-def pod(name: str, ip: str, phase: str = "Running") -> dict:
+def pod(name: str, ip: str, phase: str = "Running", uid: str = "", restarts: int = 0) -> dict:
     return {
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": "llm"},
-        "status": {"phase": phase, "podIP": ip},
+        "metadata": {"name": name, "namespace": "llm", "uid": uid or f"uid-{name}"},
+        "status": {
+            "phase": phase,
+            "podIP": ip,
+            "containerStatuses": [{"name": "engine", "restartCount": restarts}],
+        },
     }
 
 
-def applier(*pods: dict, port: int = 8000) -> PodApplier:
-    kube = MemoryKube()
+def applier(*pods: dict, port: int = 8000, kube: MemoryKube | None = None) -> EngineApplier:
+    kube = kube or MemoryKube()
     for p in pods:
         kube.apply(p)
     spec = kopf_timer.parse_spec({"engine": {"port": port}})
-    return PodApplier(types.SimpleNamespace(kube=kube), "llm", "smollm2", spec)
+    return pod_applier(types.SimpleNamespace(kube=kube), "llm", "smollm2", spec)
 
 
 def test_pod_applier_patches_running_pods_ipv4_and_ipv6(monkeypatch):
@@ -168,7 +175,7 @@ def test_pod_applier_patches_running_pods_ipv4_and_ipv6(monkeypatch):
         urls.append(url)
         return httpx.Response(200, request=httpx.Request("PATCH", url))
 
-    monkeypatch.setattr(kopf_timer.httpx, "patch", patch)
+    monkeypatch.setattr(applier_module.httpx, "patch", patch)
     applier(pod("a", "10.0.0.7"), pod("b", "fd00::7"), pod("c", "10.0.0.8", phase="Pending"))(
         Settings(256, 1, {})
     )
@@ -179,6 +186,58 @@ def test_pod_applier_names_the_pods_it_could_not_reach():
     port = free_port()  # nothing listens there: connection refused
     with pytest.raises(ApplyFailed, match=r"^smollm2-x: .*(refused|connect)"):
         applier(pod("smollm2-x", "127.0.0.1"), port=port)(Settings(256, 1, {}))
+
+
+def test_pod_applier_writes_a_pod_only_when_it_lacks_the_settings():
+    """Counted on the engine's admin API: holds write nothing; a restarted container, a pod recreated
+    under the same name and a change of settings are written once each; a Pending pod never."""
+    kube = MemoryKube()
+    engine = FakeEngine()
+    try:
+        apply = applier(pod("smollm2-0", "127.0.0.1"), pod("smollm2-1", "10.0.0.9", phase="Pending"),
+                        port=engine.port, kube=kube)  # fmt: skip
+        tuned = Settings(384, 1, {})
+        for _ in range(4):
+            apply(tuned)
+        assert engine.patches == [tuned.engine_patch()]
+        kube.apply(pod("smollm2-0", "127.0.0.1", restarts=1))  # the engine container restarted
+        apply(tuned)
+        apply(tuned)
+        assert len(engine.patches) == 2
+        kube.apply(pod("smollm2-0", "127.0.0.1", uid="recreated", restarts=1))
+        apply(tuned)
+        assert len(engine.patches) == 3
+        apply(Settings(256, 1, {}))
+        apply(Settings(256, 1, {}))
+        assert len(engine.patches) == 4 and engine.config["tokenBudget"] == 256
+    finally:
+        engine.close()
+
+
+def test_the_timer_patches_the_engine_pod_only_when_it_changes_settings(timer, monkeypatch):
+    """Through the timer: a cut is written to the pod; the holds after it (SLOs in the hysteresis band)
+    write nothing; the next change is written again."""
+    secret = timer.kube.get("v1", "Secret", "llm", "smollm2-admin")
+    token = secret.pop("stringData")["token"]
+    timer.kube.apply({**secret, "data": {"token": base64.b64encode(token.encode()).decode()}})  # as stored
+    engine = FakeEngine(admin_token=token)
+    try:
+        monkeypatch.setitem(SPEC, "engine", {"port": engine.port})  # the pod's engine answers there
+        timer.kube.apply(pod("smollm2-0", "127.0.0.1"))
+        in_band = make_snapshot(
+            chat=dict(tbt_p99=0.09, running=4), summarization=dict(tbt_p99=0.05, running=4)
+        )
+        doc = timer.step(0.0, SLOW_CHAT)
+        assert doc["budget"]["lastDecision"] == "lower" and len(engine.patches) == 1
+        assert engine.config["tokenBudget"] == doc["budget"]["tokenBudget"]
+        for i in range(1, 5):
+            doc = timer.step(5.0 * i, in_band)
+            assert doc["budget"]["lastDecision"] == "hold", doc["budget"]
+        assert len(engine.patches) == 1, "a hold wrote to the pod"
+        doc = timer.step(25.0, SLOW_CHAT)
+        assert doc["budget"]["lastDecision"] == "lower" and len(engine.patches) == 2
+    finally:
+        engine.close()
 
 
 def test_without_prometheus_the_condition_is_written_once():

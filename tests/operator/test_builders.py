@@ -13,6 +13,7 @@ import yaml
 from conftest_k8s import load_example
 from crd_schema import defaulted_spec
 
+from stallfree.engine.hub import parse_hub_uri
 from stallfree.operator.builders import (
     BuildContext,
     Features,
@@ -23,6 +24,9 @@ from stallfree.operator.builders import (
     engine_config,
 )
 from stallfree.operator.builders.meta import ANNOTATION_CONFIG_HASH
+from stallfree.operator.model_source import SourceFacts
+from stallfree.operator.reconcile import sized_spec
+from stallfree.operator.sizing import ModelShape
 from stallfree.operator.spec import parse_spec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -35,9 +39,17 @@ def make_ctx(
     status: dict | None = None,
     features: Features | None = None,
     image: str = "stallfree/engine:test",
+    shape: ModelShape | None = None,
+    hub_endpoint: str | None = None,
 ) -> BuildContext:
+    """A build context as the reconciler makes one; `shape` stands for what the hub said about a
+    HuggingFace source (sizing then fills what the spec leaves unset)."""
     raw = defaulted_spec(spec)
     parsed = parse_spec(raw)
+    facts = None
+    if parsed.model.source.type == "HuggingFace":
+        facts = SourceFacts(parse_hub_uri(parsed.model.source.uri), shape, "0" * 40 if shape else None)
+    parsed, sizing = sized_spec(parsed, raw, facts)
     return BuildContext(
         owner=OWNER,
         spec=parsed,
@@ -45,7 +57,45 @@ def make_ctx(
         engine_image=parsed.engine.image or image,
         tuned=Tuned.from_status(status),
         features=features or Features(),
+        hub_endpoint=hub_endpoint,
+        model=facts,
+        sizing=sizing,
     )
+
+
+# Llama-3.1-8B-Instruct as its config.json and safetensors files describe it.
+LLAMA_8B = ModelShape(weight_bytes=16_060_522_496, layers=32, kv_heads=8, head_dim=128, context_length=131072)
+HF_PASS_THROUGH = {
+    "model": {
+        "name": "Qwen/Qwen3-8B",
+        "source": {
+            "type": "HuggingFace",
+            "uri": "hf://Qwen/Qwen3-8B@v1.0",
+            "endpoint": "https://hub.example",
+        },
+        "maxModelLen": 32768,
+    },
+    "pod": {
+        "imagePullSecrets": [{"name": "registry"}],
+        "priorityClassName": "inference",
+        "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+        "envFrom": [{"secretRef": {"name": "extra-env"}}],
+        "volumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
+        "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/custom", "readOnly": True}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                    ]
+                }
+            }
+        },
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+        ],
+    },
+}
 
 
 def pod_template_hash(children: list[dict]) -> str:
@@ -65,6 +115,10 @@ CASES = {
     ),
     "multi-node-statefulsets": lambda: make_ctx(MULTI_NODE),
     "multi-node-leaderworkerset": lambda: make_ctx(MULTI_NODE, features=Features(leader_worker_set=True)),
+    "huggingface-cache-claim": lambda: make_ctx(
+        load_example("llama-3.1-8b-hf.yaml")["spec"], shape=LLAMA_8B, hub_endpoint="http://hub.internal"
+    ),
+    "huggingface-emptydir-pod-settings": lambda: make_ctx(HF_PASS_THROUGH, shape=None),
     "cpu-only-hostpath": lambda: make_ctx(
         {
             "model": {"source": {"type": "HostPath", "path": "/srv/models/smollm2"}},
@@ -93,6 +147,8 @@ def test_engine_args_follow_the_engine_cli_contract():
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags == {
         "--model": "/models/llama-3.1-8b-instruct",
+        "--served-model-name": "Llama-3.1-8B-Instruct",  # spec.model.name, whatever the folder is called
+        "--max-model-len": "16384",
         "--host": "0.0.0.0",
         "--port": "8000",
         "--policy": "sarathi",
@@ -106,6 +162,7 @@ def test_engine_args_follow_the_engine_cli_contract():
     }
     assert make_ctx({"model": {}}).spec.model.name == "SmolLM2-135M-Instruct"
     assert engine_args(make_ctx({"model": {}}))[1] == "SmolLM2-135M-Instruct"
+    assert "--max-model-len" not in engine_args(make_ctx({"model": {}}))  # unset: the model's own limit
     off = make_ctx({"model": {}, "engine": {"prefixCaching": False}})
     assert engine_args(off)[-1] == "--no-enable-prefix-caching"
 
@@ -169,6 +226,9 @@ def test_every_child_is_owned_and_labelled(case: str):
     for child in build_children(CASES[case]()):
         meta = child["metadata"]
         assert meta["namespace"] == "serving"
+        assert meta["labels"]["serving.stallfree.dev/deployment"] == "demo"
+        if child["kind"] == "PersistentVolumeClaim":
+            continue  # the model cache: owned only when it goes with the deployment (see below)
         assert meta["ownerReferences"] == [
             {
                 "apiVersion": "serving.stallfree.dev/v1alpha1",

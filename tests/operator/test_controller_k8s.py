@@ -17,8 +17,9 @@ would only ever hold. That path (an engine that does not take settings) is check
 FakeEngine answer 503; test_budget_timer.py checks a pod nobody answers on.
 
 Phases: (1) chat P99 TBT at 3x its SLO -> a lowered budget in status, on the engine, in engine.yaml, with
-Events, spec untouched; (2) the engine refuses settings -> holding, said in status and in a Warning;
-(3) Prometheus stopped -> MetricsAvailable=False, the last good settings held.
+Events, spec untouched; (2) SLOs met -> the controller holds, and no PATCH reaches the pod while it does;
+(3) the engine refuses the raise that TTFT pressure calls for -> holding, said in status and in a Warning;
+(4) Prometheus stopped -> MetricsAvailable=False, the last good settings held.
 """
 
 from __future__ import annotations
@@ -244,7 +245,23 @@ def test_budget_controller_tunes_holds_and_never_writes_spec(
 
         wait_until(consistent, timeout=WAIT, what="engine.yaml, status and the engine on the same budget")
 
-        # ---- 2. the engine refuses settings: hold, say why, change nothing ----------------------------
+        # ---- 2. SLOs met: every tick holds, and a hold writes nothing to the pod ----------------------
+        engine.latency["chat"]["tbt"] = 0.09  # inside the hysteresis band: no cut, no raise
+
+        def steady() -> dict | None:
+            cr = k8s.get("sarathideployment", NAME, ns)
+            return cr if cr["status"]["budget"].get("reason") == "SLOs met" else None
+
+        cr = wait_until(steady, timeout=WAIT, what="the controller holding with every SLO met")
+        patches = len(engine.patches)
+        cr = hold_for_ticks(k8s, ns, knobs(cr), ticks=3)
+        assert cr["status"]["budget"]["lastDecision"] == "hold", cr["status"]["budget"]
+        assert len(engine.patches) == patches, "the controller PATCHed the pod while holding"
+        assert condition(cr, "SettingsApplied")["status"] == "True"
+
+        # ---- 3. the engine refuses settings: hold, say why, change nothing ----------------------------
+        # A change must be due for a refusal to show: TTFT over its SLO with TBT slack calls for a raise.
+        engine.latency["chat"].update(tbt=0.03, ttft=2.5)
         engine.admin_error = 503
 
         def refused() -> dict | None:
@@ -265,7 +282,7 @@ def test_budget_controller_tunes_holds_and_never_writes_spec(
         assert events(k8s, ns, "holding settings: could not apply settings")
         assert op.healthy()
 
-        # ---- 3. Prometheus gone: hold the last good settings --------------------------------------
+        # ---- 4. Prometheus gone: hold the last good settings --------------------------------------
         engine.admin_error = None
         wait_until(
             lambda: (

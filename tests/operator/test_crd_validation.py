@@ -168,6 +168,109 @@ INVALID = [
         "spec.admission.maxRunning",
     ),
     ("unknown-field", _spec(replica=3), 'unknown field "spec.replica"'),
+    # HuggingFace sources and the model cache
+    ("hf-without-uri", _with("model.source", {"type": "HuggingFace"}), "model.source.uri (hf://ORG/NAME"),
+    (
+        "hf-uri-not-hf",
+        _with("model.source", {"type": "HuggingFace", "uri": "meta-llama/Llama-3.1-8B"}),
+        "spec.model.source.uri",
+    ),
+    (
+        "hf-uri-extra-path",
+        _with("model.source", {"type": "HuggingFace", "uri": "hf://a/b/c"}),
+        "spec.model.source.uri",
+    ),
+    (
+        "hf-uri-dotdot",
+        _with("model.source", {"type": "HuggingFace", "uri": "hf://a/b@x/../y"}),
+        "must not contain '..'",
+    ),
+    (
+        "uri-on-bundled",
+        _with("model.source", {"type": "Bundled", "uri": "hf://a/b"}),
+        "only for HuggingFace sources",
+    ),
+    (
+        "hf-with-claim",
+        _with("model.source", {"type": "HuggingFace", "uri": "hf://a/b", "claimName": "x"}),
+        "only for PersistentVolumeClaim and HostPath",
+    ),
+    (
+        "cache-on-claim-source",
+        _with(
+            "model",
+            {"source": {"type": "PersistentVolumeClaim", "claimName": "m"}, "cache": {"size": "10Gi"}},
+        ),
+        "model.cache is only for",
+    ),
+    (
+        "cache-class-without-size",
+        _with(
+            "model",
+            {"source": {"type": "HuggingFace", "uri": "hf://a/b"}, "cache": {"storageClassName": "fast"}},
+        ),
+        "needs model.cache.size",
+    ),
+    (
+        "cache-access-mode",
+        _with(
+            "model",
+            {
+                "source": {"type": "HuggingFace", "uri": "hf://a/b"},
+                "cache": {"size": "1Gi", "accessMode": "ReadOnlyMany"},
+            },
+        ),
+        "spec.model.cache.accessMode",
+    ),
+    (
+        "token-secret-without-name",
+        _with("model.source", {"type": "HuggingFace", "uri": "hf://a/b", "tokenSecret": {}}),
+        "spec.model.source.tokenSecret.name",
+    ),
+    # pod pass-through
+    ("pod-env-reserved", _with("pod.env", [{"name": "HF_TOKEN", "value": "x"}]), "pod.env must not set"),
+    (
+        "pod-env-value-and-from",
+        _with("pod.env", [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {}}}]),
+        "value or valueFrom, not both",
+    ),
+    (
+        "pod-envfrom-both",
+        _with("pod.envFrom", [{"configMapRef": {"name": "a"}, "secretRef": {"name": "b"}}]),
+        "exactly one of configMapRef and secretRef",
+    ),
+    ("pod-volume-reserved", _with("pod.volumes", [{"name": "models", "emptyDir": {}}]), "must not be config"),
+    (
+        "pod-volume-two-sources",
+        _with("pod.volumes", [{"name": "v", "emptyDir": {}, "secret": {"secretName": "s"}}]),
+        "exactly one volume source",
+    ),
+    (
+        "pod-mount-unknown-volume",
+        _with("pod", {"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}),
+        "must name one of pod.volumes",
+    ),
+    (
+        "pod-mount-reserved-path",
+        _with(
+            "pod",
+            {
+                "volumes": [{"name": "v", "emptyDir": {}}],
+                "volumeMounts": [{"name": "v", "mountPath": "/models"}],
+            },
+        ),
+        "must not be /etc/stallfree",
+    ),
+    (
+        "pod-spread-bad-when",
+        _with(
+            "pod.topologySpreadConstraints",
+            [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "Maybe"}],
+        ),
+        "spec.pod.topologySpreadConstraints[0].whenUnsatisfiable",
+    ),
+    ("pod-priority-class-name", _with("pod.priorityClassName", "Not A Name"), "spec.pod.priorityClassName"),
+    ("gpu-memory-not-quantity", _with("resources.gpuMemory", "big"), "spec.resources.gpuMemory"),
     ("model-missing", {**BASE, "spec": {}}, "spec.model"),
 ]
 
@@ -217,7 +320,8 @@ def test_api_server_fills_defaults(custom_api):
     created = _create(custom_api, copy.deepcopy(BASE))
     spec = created["spec"]
     assert spec["model"] == {"name": "SmolLM2-135M-Instruct", "dtype": "auto", "source": {"type": "Bundled"}}
-    assert spec["parallelism"] == {"tensor": 1, "pipeline": 1}
+    assert spec["parallelism"] == {"pipeline": 1}  # tensor unset: 1, or sized from a HuggingFace model
+    assert "memory" not in spec["resources"]  # likewise: 8Gi, or sized
     assert spec["replicas"] == {"min": 1, "max": 1}
     assert spec["budget"] == {"initial": 512, "min": 128, "max": 4096, "align": 32}
     assert spec["engine"]["policy"] == "sarathi" and spec["engine"]["port"] == 8000
@@ -233,7 +337,7 @@ def test_api_server_keeps_a_cost_model(custom_api):
     assert created["spec"]["controller"]["costModel"] == coeffs
 
 
-@pytest.mark.parametrize("example", ["sarathideployment.yaml", "multi-cluster.yaml"])
+@pytest.mark.parametrize("example", ["sarathideployment.yaml", "multi-cluster.yaml", "llama-3.1-8b-hf.yaml"])
 def test_examples_are_valid(custom_api, example: str):
     obj = load_example(example)
     created = _create(custom_api, obj)

@@ -90,7 +90,9 @@ def test_example_becomes_ready_with_owned_children(
 
     table = k8s.kubectl("get", "sarathi", "smollm2", "-n", namespace).stdout.splitlines()
     header, row = table[0].split(), table[1].split()
-    assert header[:9] == ["NAME", "MODEL", "TP", "PP", "REPLICAS", "READY", "BUDGET", "P99-TBT", "STATUS"]
+    assert header[:10] == ["NAME", "MODEL", "SIZE", "TP", "PP", "REPLICAS", "READY", "BUDGET", "P99-TBT",
+                           "STATUS"]  # fmt: skip
+    # SIZE is empty for a bundled model (only hf:// sources are read from the hub), so it drops out of the split
     assert row[:7] == ["smollm2", "SmolLM2-135M-Instruct", "1", "1", "1", "1", "512"] and "Ready" in row
 
     events = k8s.list("events", namespace)

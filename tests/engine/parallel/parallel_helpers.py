@@ -11,8 +11,8 @@ from dataclasses import replace
 from engine_helpers import prompt_ids
 
 from stallfree.engine import LLM, SamplingParams
-from stallfree.engine.parallel.executor import free_port
 from stallfree.engine.scheduler import Scheduler
+from stallfree.ports import free_port
 
 TOP = 20  # first-token log-probabilities compared: the 20 most likely tokens
 

@@ -17,11 +17,13 @@ from stallfree.engine.parallel.stage import build_stage, stage_layers
 ATOL = 1e-5
 
 
-def tiny(num_heads, num_kv_heads, vocab=50, tied=False, bias=False, layers=2) -> LlamaForCausalLM:
+def tiny(
+    num_heads, num_kv_heads, vocab=50, tied=False, bias=False, layers=2, qk_norm=False
+) -> LlamaForCausalLM:
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=num_heads * 4, intermediate_size=22, num_layers=layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=4, max_position_embeddings=64,
-        tie_word_embeddings=tied, qkv_bias=bias, o_proj_bias=bias,
+        tie_word_embeddings=tied, qkv_bias=bias, o_proj_bias=bias, qk_norm=qk_norm,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
@@ -51,9 +53,9 @@ def shards(model, tp):
     [(6, 2, 2), (9, 3, 2), (8, 2, 4), (9, 3, 4), (4, 4, 3), (6, 1, 3)],
     ids=["even", "uneven-groups", "kv-replicated", "kv-replicated-uneven", "mha-3", "mqa-3"],
 )
-@pytest.mark.parametrize("bias", [False, True])
-def test_rank_partial_sums_equal_the_full_layers(nh, nkv, tp, bias):
-    model = tiny(nh, nkv, bias=bias)
+@pytest.mark.parametrize(("bias", "qk_norm"), [(False, False), (True, False), (False, True)])
+def test_rank_partial_sums_equal_the_full_layers(nh, nkv, tp, bias, qk_norm):
+    model = tiny(nh, nkv, bias=bias, qk_norm=qk_norm)  # qk_norm: Qwen3's per-head q/k norms (replicated)
     ranks = shards(model, tp)
     x = torch.randn(7, model.config.hidden_size)
     pos = torch.arange(7)

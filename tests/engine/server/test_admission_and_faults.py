@@ -52,6 +52,25 @@ def test_overload_gets_429_with_retry_after_and_loses_nothing(tiny):
     assert _post(tiny.url, body).status_code == 200
 
 
+def test_n_choices_are_admitted_together_or_refused_together(tiny):
+    """maxWaiting 2: n=3 can never wait there (400 naming n); with one request running and one waiting, an
+    n=2 request does not fit and gets 429, and nothing of it runs."""
+    too_many = _post(tiny.url, {"prompt": "Hi", "max_tokens": 1, "n": 3})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    long = {"prompt": "Count slowly:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    arrivals = tiny.metric("stallfree_request_arrivals_total", traffic_cluster="default")
+    with ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(_post, tiny.url, long) for _ in range(2)]
+        wait_for(lambda: tiny.metric("stallfree_request_arrivals_total", traffic_cluster="default")
+                 >= arrivals + 2)  # fmt: skip
+        pair = _post(tiny.url, {**long, "n": 2})
+        assert all(f.result().status_code == 200 for f in busy)
+    assert pair.status_code == 429, pair.text
+    assert tiny.metric("stallfree_request_arrivals_total", traffic_cluster="default") == arrivals + 2
+    both = _post(tiny.url, {**long, "max_tokens": 3, "n": 2})  # the queue drained: both choices run
+    assert both.status_code == 200 and len(both.json()["choices"]) == 2
+
+
 def _idle(server) -> bool:
     return (
         server.metric("stallfree_kv_cache_usage_ratio") == 0.0
@@ -109,6 +128,39 @@ def test_forward_failure_becomes_500_and_an_sse_error_event(fresh, monkeypatch):
     assert fresh.metric("stallfree_requests_total", traffic_cluster="default", outcome="error") == 2
     monkeypatch.undo()
     assert _post(fresh.url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200, "the server should recover"
+
+
+def test_a_fault_while_streaming_ends_the_stream_with_an_error_event(server, monkeypatch):
+    """The server's own fault mid-stream (here: building a chunk raises): the openai SDK raises APIError with
+    the message, the request is aborted, and the server serves on."""
+    from openai import APIConnectionError, APIError, OpenAI
+
+    from stallfree.engine.server.responses import ResponseBuilder
+
+    calls = 0
+    real = ResponseBuilder.delta_chunk
+
+    def flaky(self, out, index=0):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("simulated chunk fault")
+        return real(self, out, index)
+
+    monkeypatch.setattr(ResponseBuilder, "delta_chunk", flaky)
+    aborted = server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    text = ""
+    with pytest.raises(APIError) as e:
+        for chunk in client.completions.create(model=None, prompt="Count:", max_tokens=50, stream=True,
+                                               extra_body={"ignore_eos": True}):  # fmt: skip
+            text += chunk.choices[0].text
+    assert not isinstance(e.value, APIConnectionError)
+    assert "simulated chunk fault" in str(e.value) and text
+    assert wait_for(lambda: server.metric("stallfree_requests_total", traffic_cluster="default", outcome="abort")
+                    == aborted + 1)  # fmt: skip
+    monkeypatch.undo()
+    assert _post(server.url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
 def test_dead_engine_loop_fails_requests_and_turns_unready(fresh, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from stallfree.engine.serve_cli import main
+from stallfree.ports import free_port
 
 STALLFREE = [sys.executable, "-m", "stallfree"]
 
@@ -51,15 +51,9 @@ def test_bad_traffic_file_names_the_field(tmp_path, capsys):
     assert "trafficClusters[1].slo.tbtP99Seconds must be > 0" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "STALLFREE_ADMIN_TOKEN": "t", "OMP_NUM_THREADS": "2"}
     proc = subprocess.Popen(
         [*STALLFREE, "serve", "--port", str(port), "--num-kv-blocks", "128", "--log-level", "warning"],

@@ -4,7 +4,6 @@ process with random weights answering the openai client over HTTP."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from stallfree.engine.serve_cli import build_configs, build_parser, main, resolve_load_format
+from stallfree.ports import free_port
 
 STALLFREE = [sys.executable, "-m", "stallfree"]
 
@@ -55,17 +55,11 @@ def test_contradictions_and_bad_shapes_fail_fast(capsys, argv, words):
     assert words in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_dummy_server_answers_the_openai_client():
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*STALLFREE, "serve", "--load-format", "dummy", "--shape", "smollm2-135m", "--max-model-len", "128",
          "--num-kv-blocks", "32", "--max-num-seqs", "4", "--device", "cpu", "--port", str(port),

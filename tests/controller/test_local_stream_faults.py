@@ -1,0 +1,104 @@
+"""A stream never ends silently: killing the engine replica behind `stallfree up` in the middle of 6
+streaming completions ends every one of them with an error the openai SDK raises, not a short answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from promserver import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = REPO / "examples" / "local.yaml"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("stallfree up never became ready")
+
+
+def replica_process(up: subprocess.Popen, port: int) -> psutil.Process:
+    for child in psutil.Process(up.pid).children(recursive=True):
+        cmd = child.cmdline()
+        if "serve" in cmd and str(port) in cmd:
+            return child
+    raise AssertionError(f"no engine replica on port {port} among the children of stallfree up")
+
+
+@pytest.mark.slow
+def test_killing_the_replica_mid_stream_ends_every_stream_with_an_error(tmp_path):
+    from openai import APIConnectionError, APIError, OpenAI
+
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "stallfree", "up", str(LOCAL), "--port", str(port), "--no-view"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(up, base)
+        engine = httpx.get(f"{base}/admin/v1/status").json()["engines"][0]
+        victim = replica_process(up, int(engine["url"].rsplit(":", 1)[1]))
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        started = threading.Barrier(7)
+        results: list[object] = [None] * 6
+
+        def consume(i: int) -> None:
+            text = ""
+            try:
+                stream = client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time",
+                                                   max_tokens=400, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+                for n, chunk in enumerate(stream):
+                    text += chunk.choices[0].text if chunk.choices else ""
+                    if n == 2:
+                        started.wait(timeout=120)
+                results[i] = ("finished", text)
+            except Exception as e:  # noqa: BLE001 - recorded and checked below
+                results[i] = e
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=180)  # all 6 streams are producing tokens
+        victim.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=120)
+        outcomes = [type(got).__name__ + ": " + str(got)[:200] for got in results]
+        # every stream raised the proxy's error event: not a dropped connection, not a short answer
+        assert all(
+            isinstance(got, APIError) and not isinstance(got, APIConnectionError) for got in results
+        ), outcomes
+        assert all("incomplete" in str(got) or "before it was complete" in str(got) for got in results), (
+            outcomes
+        )
+        # the replica comes back and serves again
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                r = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=3)
+                assert r.choices[0].text is not None
+                break
+            except APIError:
+                time.sleep(1)
+        else:
+            raise AssertionError("the replica did not come back")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
