@@ -39,8 +39,9 @@ class LLM:
     stallfree.engine.kernels.cpu_fused, or torch where they cannot be built), torch (the plain-torch
     reference), cpu, triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
     enable_prefix_caching (default True) reuses the K/V of full blocks shared with earlier prompts.
-    On the CPU, dtype="bfloat16" runs oneDNN's bf16 matmuls and quantization="int4"/"int8" weight-only
-    linear layers (docs/engine.md measures each against fp32); threads sets torch's CPU threads.
+    On the CPU, dtype="bfloat16" runs every linear layer through one row-invariant C++ GEMM, with bf16 or
+    (quantization="int4"/"int8") weight-only quantized weights (docs/engine.md measures each against fp32);
+    threads sets torch's CPU threads.
     """
 
     def __init__(

@@ -3,10 +3,11 @@ C++ kernels of stallfree.engine.kernels.cpu_fused for the KV store, the layers' 
 decodes).
 
 GQA without repeating K/V: decodes (in padded groups, see stallfree.engine.decode_groups) and prefill chunks
-both use SDPA's enable_gqa, which shares each KV head across its query heads. The cpu backend sends the
-decodes through its paged kernel instead, each decode reading its own pages in place, when
-decode_groups.fits_paged_kernel says the kernel should take them; prefill chunks stay on SDPA, which is
-GEMM-shaped and already fast there.
+both use SDPA's enable_gqa, which shares each KV head across its query heads. The cpu backend sends EVERY
+row, decodes and prefill-chunk tokens alike, through its paged kernel instead, each row reading its request's
+pages in place over the keys its position sees. NOTE: same request, same answer: a row at position p is then
+attended by the same code over the same p + 1 keys whether it is a decode, a token of a chunk (any split) or
+follows a prefix-cache hit (SDPA's blocked softmax over a chunk rounds differently from a decode's).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from stallfree.engine.attention.backend import AttentionBackend
 from stallfree.engine.attention.batch import DeviceBatch
 from stallfree.engine.attention.kv_cache import KVCache
-from stallfree.engine.decode_groups import decode_groups, fits_paged_kernel
+from stallfree.engine.decode_groups import decode_groups
 from stallfree.engine.model.llama import AttentionFn
 
 
@@ -50,15 +51,17 @@ class TorchMetadata:
     # Decodes in a few padded groups (none when the paged kernel takes them), prefill chunks one by one.
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
-    # For the cpu backend's paged decode kernel instead of the groups (None otherwise):
-    decode_tables: torch.Tensor | None = None  # (D, max pages) int32  each decode's blocks, 0-padded
-    decode_lens: torch.Tensor | None = None  # (D,) int32  each decode's history, new token included
+    # For the cpu backend's paged kernel, which then attends for every row (no groups, no spans); else None:
+    decode_tables: torch.Tensor | None = None  # (T, max pages) int32  each row's request's blocks, 0-padded
+    decode_lens: torch.Tensor | None = None  # (T,) int32  keys each row sees: its position + 1
 
 
-def torch_metadata(batch: DeviceBatch, block_size: int, paged_decodes: bool = False) -> TorchMetadata:
-    """The torch backend's view of the common batch: prefill spans over their history slots, and the
-    decodes in padded groups, or (paged_decodes, when they fit the kernel) by block table and length."""
+def torch_metadata(batch: DeviceBatch, block_size: int, paged_rows: bool = False) -> TorchMetadata:
+    """The torch backend's view of the common batch: prefill spans over their history slots and the decodes
+    in padded groups, or (paged_rows: the cpu backend) every row by its request's block table and key count."""
     hb, device = batch.host, batch.slot_mapping.device
+    if paged_rows:
+        return _paged_rows(batch)
     off = hb.prefill_hist_offsets.tolist()
     prefills = tuple(
         PrefillSpan(int(s), int(n), int(c), batch.prefill_hist_slots[off[i] : off[i + 1]])
@@ -67,16 +70,6 @@ def torch_metadata(batch: DeviceBatch, block_size: int, paged_decodes: bool = Fa
         )
     )
     lens = hb.decode_lens.tolist()
-    if paged_decodes and fits_paged_kernel(lens):
-        i32 = torch.int32
-        return TorchMetadata(
-            batch.slot_mapping,
-            hb.num_decodes,
-            (),
-            prefills,
-            batch.decode_tables.to(i32),
-            batch.decode_lens.to(i32),
-        )
     groups = []
     # decodes come first, so decode i is row i; its table row is 0-padded past its own pages
     for members in decode_groups(lens):
@@ -94,6 +87,21 @@ def torch_metadata(batch: DeviceBatch, block_size: int, paged_decodes: bool = Fa
     return TorchMetadata(batch.slot_mapping, hb.num_decodes, tuple(groups), prefills)
 
 
+def _paged_rows(batch: DeviceBatch) -> TorchMetadata:
+    """Every row (decodes first, then the chunks' tokens) by its request's block table and its key count."""
+    hb, device = batch.host, batch.slot_mapping.device
+    nd, dt, pt = hb.num_decodes, hb.decode_tables, hb.prefill_tables
+    width = max(dt.shape[1] if nd else 1, pt.shape[1] if len(pt) else 1)
+    tables = np.zeros((hb.num_tokens, width), np.int32)  # (T, width)
+    tables[:nd, : dt.shape[1]] = dt[:nd]
+    for start, n, table in zip(hb.prefill_q_starts, hb.prefill_q_lens, pt, strict=True):
+        tables[start : start + n, : len(table)] = table
+    lens = (hb.positions + 1).astype(np.int32)  # NOTE: absolute positions: a row sees keys 0 .. its own
+    return TorchMetadata(
+        batch.slot_mapping, nd, (), (), torch.from_numpy(tables).to(device), torch.from_numpy(lens).to(device)
+    )
+
+
 class TorchBackend(AttentionBackend):
     """Exact attention in plain torch (CPU, and the reference on any device)."""
 
@@ -105,11 +113,11 @@ class TorchBackend(AttentionBackend):
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def build_metadata(self, batch: DeviceBatch, padded_decodes: int) -> TorchMetadata:
-        return torch_metadata(batch, self.cache.block_size, paged_decodes=self.kernels is not None)
+        return torch_metadata(batch, self.cache.block_size, paged_rows=self.kernels is not None)
 
     def bind(self, meta: TorchMetadata, store: bool = True) -> AttentionFn:
-        cache, kernels, nd = self.cache, self.kernels, meta.num_decodes
-        paged = meta.decode_tables is not None  # decodes through the kernel (else in padded groups)
+        cache, kernels = self.cache, self.kernels
+        paged = meta.decode_tables is not None  # every row through the kernel (else groups and spans)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: (T, H, D); k, v: (T, KVH, D)
@@ -118,15 +126,11 @@ class TorchBackend(AttentionBackend):
                 cache.write(layer, meta.slot_mapping, k, v)
             elif store:
                 kernels.store_kv(k, v, kf, vf, meta.slot_mapping)
-            if paged:
-                dec = kernels.paged_decode_attention(
-                    q[:nd], cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens, self.scale
+            if paged:  # NOTE: after the store: a chunk's rows see the chunk's earlier keys in the cache
+                return kernels.paged_decode_attention(
+                    q, cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens, self.scale
                 )
-                if not meta.prefills:  # every row a decode
-                    return dec
             out = torch.empty_like(q)
-            if paged:
-                out[:nd] = dec
             for grp in meta.decode_groups:
                 g, n_pages = grp.blocks.shape
                 # Whole pages, gathered with index_select (2-3x faster than advanced indexing here).
@@ -177,7 +181,7 @@ class TorchBackend(AttentionBackend):
 
 
 class CpuBackend(TorchBackend):
-    """The torch backend with the C++ kernels: KV store, paged decodes and the layers' elementwise work."""
+    """The torch backend with the C++ kernels: KV store, every row's attention from the pages, the layers' elementwise work."""
 
     name = "cpu"
 

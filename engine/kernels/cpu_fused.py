@@ -154,3 +154,11 @@ def paged_decode_attention_ref(
         scores = torch.einsum("kgd,nkd->kgn", qq, keys) * scale
         out[d] = torch.einsum("kgn,nkd->kgd", scores.softmax(-1), vals).reshape(q.shape[1], -1).to(q.dtype)
     return out
+
+
+def packed_linear(
+    x: Tensor, kind: int, weight: Tensor, scale: Tensor, minv: Tensor, bias: Tensor | None, out_features: int
+) -> Tensor:
+    """x (T, K) -> (T, N) in x.dtype through the one GEMM for every row count (see cpu_linear.PackedLinear,
+    which prepares the weights). Each output is one fixed float32 sequence of operations, whatever T."""
+    return load().packed_linear(x, kind, weight, scale, minv, bias, out_features)

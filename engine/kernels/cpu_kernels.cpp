@@ -14,8 +14,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -232,6 +237,68 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
+// ---- sums in a fixed order ----------------------------------------------------------------------------
+
+// NOTE: same request, same answer. `#pragma omp simd reduction` lets the compiler regroup a sum as it
+// vectorises, and how it does can depend on a buffer's alignment; these spell the grouping out (16 lanes,
+// lane j adds elements j, j + 16, ... in order, then the lanes in a fixed tree), so a row's result is the
+// same bits whichever call, batch or buffer it is computed in.
+inline float ordered_dot(const float* a, const float* b, int64_t n) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j] * b[i + j];
+  for (int j = 0; i + j < n; ++j) lane[j] += a[i + j] * b[i + j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+inline float ordered_sum(const float* a, int64_t n) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j];
+  for (int j = 0; i + j < n; ++j) lane[j] += a[i + j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+// s[i] = exp(s[i] - mx) for i < n. With AVX-512: 16 at a time (a masked tail), Cephes' expf polynomial
+// after a Cody-Waite reduction (~1 ulp), each element's result a function of its value alone (so of no
+// position, batch or buffer); 3-4x faster than libm's scalar expf, which was most of a chunk's attention.
+#ifdef __AVX512F__
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+inline void exp_shifted(float* s, int64_t n, float mx) {
+#ifdef __AVX512F__
+  const __m512 m = _mm512_set1_ps(mx);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(k, s + i);
+    _mm512_mask_storeu_ps(s + i, k, exp512(_mm512_sub_ps(x, m)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] = std::exp(s[i] - mx);
+#endif
+}
+
 // ---- decode attention over the paged cache ----------------------------------------------------------
 
 // One task = one decode x one KV head: the group's query heads share each key and value row as it is
@@ -269,13 +336,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       for (int64_t t = 0; t < len; ++t) {
         const c_t* kr = kc + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + h) * hd;
         load_row(kr, row.data(), hd);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * hd;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < hd; ++i) s += qg[i] * row[i];
-          scores[g * len + t] = s;
-        }
+        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = ordered_dot(qf.data() + g * hd, row.data(), hd);
       }
       std::vector<float> denom(G);
       for (int64_t g = 0; g < G; ++g) {
@@ -283,13 +344,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
         for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        denom[g] = sum;
+        exp_shifted(sg, len, mx);
+        denom[g] = ordered_sum(sg, len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
@@ -352,6 +408,272 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- linear layers: one GEMM for every row count ---------------------------------------------------
+
+// y (T, N) = x (T, K) W^T with W held compactly: int4 in groups of 32 along K (Q4_1-style blocks: w =
+// code * scale + min, the 32 codes of a group in 16 bytes, byte j holding codes j (low nibble) and j + 16
+// (high)), int8 with one scale per output row (w = code * scale), or bf16.
+//
+// NOTE: same request, same answer. Every output y[t, n] is one fixed sequence of operations: the weights
+// of column n widened the same way whatever the batch, 16 float32 lanes where lane j accumulates its share
+// of k in ascending order, then the lanes summed in a fixed tree. How many rows share the call only changes
+// which rows are computed together, never how one row is, so a token's logits do not depend on its batch,
+// its chunk or a prefix-cache hit (the kernels this replaces switched to another GEMM by row count, and the
+// two rounded differently).
+//
+// Two instruction sets, one per machine (the build is -march=native, so a machine always uses the same):
+// - AVX512-BF16 (the default on CPUs that have it): weights widened to float32 and rounded once to bf16,
+//   multiplied with the bf16 activations by vdpbf16ps (lane j adds the products of k = 32s + 2j, 32s + 2j
+//   + 1 for s = 0, 1, ...): twice the multiply rate of float32 FMAs and half the bytes;
+// - otherwise float32 FMAs on the bf16 activations (lane j adds k = j, j + 16, ...).
+// Speed: the weights are read once per call for all rows (activations batched). Few rows (<= kDirectRows)
+// multiply straight from the compact weights; more rows share a widened panel of CB columns that stays in
+// L2 while every row passes over it in 4 x 4 register tiles. Both give the same bits.
+
+enum WeightKind : int64_t { kQ4 = 0, kQ8 = 1, kBF16 = 2 };
+
+struct Weights {
+  int64_t kind, K;
+  const uint8_t* q4;      // (N, K / 2)
+  const int8_t* q8;       // (N, K)
+  const uint16_t* bf16;   // (N, K)
+  const float* scale;     // (N, K / 32) for int4, (N,) for int8
+  const float* minv;      // (N, K / 32) for int4
+};
+
+inline float lane_tree(const float* lane) {
+  float l[16];
+  for (int j = 0; j < 16; ++j) l[j] = lane[j];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) l[j] += l[j + w];
+  return l[0];
+}
+
+// Rows up to which the weights are widened in registers per row tile instead of into a shared panel.
+constexpr int64_t kDirectRows = 8;
+
+struct AlignedBuffer {
+  void* p = nullptr;
+  explicit AlignedBuffer(int64_t bytes) {
+    if (posix_memalign(&p, 64, std::max<int64_t>(bytes, 64))) p = nullptr;
+    TORCH_CHECK(p != nullptr, "out of memory for a ", bytes, "-byte buffer");
+  }
+  ~AlignedBuffer() { free(p); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+// The activations as bf16 rows; a step covers 32 k.
+using act_t = uint16_t;
+constexpr int64_t kStep = 32;
+using wvec_t = __m512bh;
+
+// Weights k .. k + 31 (k a multiple of 32) of column n: widened to float32, then rounded to bf16.
+inline __m512bh widen_step(const Weights& w, int64_t n, int64_t k) {
+  const int64_t K = w.K;
+  if (w.kind == kQ4) {
+    const int64_t g = k / 32;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + n * (K / 2) + g * 16));
+    const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+    const __m512 s = _mm512_set1_ps(w.scale[n * (K / 32) + g]), m = _mm512_set1_ps(w.minv[n * (K / 32) + g]);
+    const __m512 wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
+    const __m512 wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
+    return _mm512_cvtne2ps_pbh(wh, wl);  // elements 0..15 from wl (k..k+15), 16..31 from wh
+  }
+  if (w.kind == kQ8) {  // |code| <= 127 is exact in bf16
+    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k));
+    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k + 16));
+    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)));
+  }
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w.bf16 + n * K + k));
+}
+
+inline void store_step(act_t* dst, __m512bh v) { _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(v)); }
+inline __m512bh load_w(const act_t* src) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src)); }
+inline __m512 mac(__m512 acc, const act_t* x, __m512bh wv) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)), wv);
+}
+
+#elif defined(__AVX512F__)
+
+using act_t = float;
+constexpr int64_t kStep = 16;
+using wvec_t = __m512;
+
+// Weights k .. k + 15 (k a multiple of 16) of column n as float32.
+inline __m512 widen_step(const Weights& w, int64_t n, int64_t k) {
+  const int64_t K = w.K;
+  if (w.kind == kQ4) {
+    const int64_t g = k / 32;
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + n * (K / 2) + g * 16));
+    const __m128i codes = (k % 32) ? _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))
+                                   : _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)),
+                           _mm512_set1_ps(w.scale[n * (K / 32) + g]), _mm512_set1_ps(w.minv[n * (K / 32) + g]));
+  }
+  if (w.kind == kQ8) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  }
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.bf16 + n * K + k));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
+}
+
+inline void store_step(act_t* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline __m512 load_w(const act_t* src) { return _mm512_loadu_ps(src); }
+inline __m512 mac(__m512 acc, const act_t* x, __m512 wv) { return _mm512_fmadd_ps(_mm512_loadu_ps(x), wv, acc); }
+
+#endif
+
+#ifdef __AVX512F__
+
+// Column n's K weights, widened as widen_step does, into dst.
+void widen_column(const Weights& w, int64_t n, act_t* dst) {
+  for (int64_t k = 0; k < w.K; k += kStep) store_step(dst + k, widen_step(w, n, k));
+}
+
+// R rows x 4 columns. Direct: the weights widened in registers from the compact form; else from a panel
+// (4 columns at stride K). The same operations either way.
+template <int R, bool kDirect>
+void tile(const act_t* x, const Weights& w, int64_t n0, const act_t* wp, float* out, int64_t out_stride) {
+  const int64_t K = w.K;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kStep) {
+    wvec_t wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = kDirect ? widen_step(w, n0 + c, k) : load_w(wp + c * K + k);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = mac(acc[r][c], x + r * K + k, wv[c]);
+  }
+  alignas(64) float lane[16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) {
+      _mm512_store_ps(lane, acc[r][c]);
+      out[r * out_stride + c] = lane_tree(lane);
+    }
+}
+
+// Rows t .. T-1 of 4 columns, 4 rows at a time then the rest.
+template <bool kDirect>
+void rows(const act_t* xp, const Weights& w, int64_t T, int64_t n0, const act_t* wp, float* op, int64_t N) {
+  const int64_t K = w.K;
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) tile<4, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  const int64_t left = T - t;
+  if (left == 3) tile<3, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  if (left == 2) tile<2, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  if (left == 1) tile<1, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+}
+
+void gemm(const act_t* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+  const int64_t K = w.K;
+  if (T <= kDirectRows) {
+    at::parallel_for(0, N / 4, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
+      for (int64_t cb = begin; cb < end; ++cb) rows<true>(xp, w, T, cb * 4, nullptr, op, N);
+    });
+    return;
+  }
+  // Columns per task: a panel of CB x K widened weights (<= 256 KiB) stays in L2 for all the rows.
+  const int64_t CB = std::max<int64_t>(4, std::min<int64_t>(64, (262144 / (K * sizeof(act_t))) / 4 * 4));
+  at::parallel_for(0, (N + CB - 1) / CB, 1, [&](int64_t begin, int64_t end) {
+    AlignedBuffer panel(CB * K * sizeof(act_t));
+    act_t* pp = static_cast<act_t*>(panel.p);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * CB, nc = std::min<int64_t>(CB, N - n0);
+      for (int64_t c = 0; c < nc; ++c) widen_column(w, n0 + c, pp + c * K);
+      // A tile of 4 rows (in L1) passes over the whole panel (in L2) before the next rows come in.
+      for (int64_t t = 0; t < T; t += 4) {
+        const int64_t rt = std::min<int64_t>(4, T - t);
+        for (int64_t c = 0; c < nc; c += 4) rows<false>(xp + t * K, w, rt, n0 + c, pp + c * K, op + t * N, N);
+      }
+    }
+  });
+}
+
+#else
+
+// Without AVX-512: float32 FMAs lane by lane, in the order of the float32 AVX-512 path.
+void gemm_scalar(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+  const int64_t K = w.K;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> col(K);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t k = 0; k < K; ++k) {
+        if (w.kind == kQ4) {
+          const uint8_t b = w.q4[n * (K / 2) + (k / 32) * 16 + (k % 16)];
+          const float code = static_cast<float>((k % 32) < 16 ? (b & 15) : (b >> 4));
+          col[k] = std::fma(code, w.scale[n * (K / 32) + k / 32], w.minv[n * (K / 32) + k / 32]);
+        } else if (w.kind == kQ8) {
+          col[k] = static_cast<float>(w.q8[n * K + k]);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(w.bf16[n * K + k]) << 16;
+          std::memcpy(&col[k], &bits, 4);
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        float lane[16] = {0.f};
+        for (int64_t k = 0; k < K; k += 16)
+          for (int j = 0; j < 16; ++j) lane[j] = std::fma(xp[t * K + k + j], col[k + j], lane[j]);
+        op[t * N + n] = lane_tree(lane);
+      }
+    }
+  });
+}
+
+#endif
+
+at::Tensor packed_linear(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const at::Tensor& scale,
+                         const at::Tensor& minv, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2, "packed_linear needs x (T, K), got ", x.sizes());
+  const int64_t T = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % 32 == 0 && N % 4 == 0, "packed_linear needs K % 32 == 0 and N % 4 == 0, got K=", K,
+              " N=", N);
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == N, "weight must be contiguous with ", N, " rows");
+  Weights w{kind, K, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (kind == kQ4) {
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) == K / 2, "int4 weight must be uint8 (N, K/2)");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && minv.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                    minv.is_contiguous() && scale.numel() == N * (K / 32) && minv.numel() == N * (K / 32),
+                "int4 scale and min must be contiguous float32 (N, K/32)");
+    w.q4 = weight.data_ptr<uint8_t>();
+    w.scale = scale.data_ptr<float>();
+    w.minv = minv.data_ptr<float>();
+  } else if (kind == kQ8) {
+    TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == K, "int8 weight must be int8 (N, K)");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+                "int8 scale must be contiguous float32 (N,)");
+    w.q8 = weight.data_ptr<int8_t>();
+    w.scale = scale.data_ptr<float>();
+  } else {
+    TORCH_CHECK(kind == kBF16, "unknown weight kind ", kind);
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(1) == K, "bf16 weight must be (N, K)");
+    w.bf16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,)");
+  }
+  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const at::Tensor xa = x.to(at::kBFloat16).contiguous();  // (T, K) bf16
+  gemm(reinterpret_cast<const act_t*>(xa.data_ptr<at::BFloat16>()), w, T, N, out.data_ptr<float>());
+#elif defined(__AVX512F__)
+  const at::Tensor xa = x.to(at::kFloat).contiguous();  // (T, K) float32
+  gemm(xa.data_ptr<float>(), w, T, N, out.data_ptr<float>());
+#else
+  const at::Tensor xa = x.to(at::kFloat).contiguous();
+  gemm_scalar(xa.data_ptr<float>(), w, T, N, out.data_ptr<float>());
+#endif
+  if (kind == kQ8) out.mul_(scale.view({1, N}));
+  if (bias) out.add_(bias->to(at::kFloat).view({1, N}));
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stallfree_cpu, m) {
@@ -362,6 +684,9 @@ TORCH_LIBRARY(stallfree_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "packed_linear(Tensor x, int kind, Tensor weight, Tensor scale, Tensor minv, Tensor? bias, "
+      "int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
@@ -370,4 +695,5 @@ TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("store_kv", &store_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("packed_linear", &packed_linear);
 }

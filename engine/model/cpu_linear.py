@@ -1,23 +1,25 @@
-"""Compact linear layers for the CPU: bf16 weights through oneDNN, int4 / int8 weight-only quantization.
+"""Compact linear layers for the CPU: int4 / int8 weight-only quantization or bf16 weights, one GEMM.
 
 A decode-heavy iteration multiplies a few rows by every weight of the model, so its time is the time to
 read the weights from memory (fp32: 540 MB per iteration for the 135M default model); a prefill chunk of
-hundreds of rows is compute-bound. One `PackedLinear` therefore keeps the weight in the two forms that
-suit each case and picks by the number of rows T:
+hundreds of rows is compute-bound. `PackedLinear` keeps each weight once, compactly (int4 in groups of 32
+along the input with a float32 scale and min each, as GGUF's Q4_1 blocks; int8 with one scale per output
+channel; or bf16), and multiplies every row count with the same C++ kernel (`packed_linear` in
+engine/kernels/cpu_kernels.cpp): the weights are read once per call for all rows and widened to float32,
+the rows (bf16 activations) are multiplied in float32 with a fixed reduction order, and the result is
+rounded once to bf16.
 
-- T <= small_rows: the weight-only kernels, which read 4 or 8 bits per weight and multiply bf16 rows
-  (`torch.ops.aten._weight_int4pack_mm_for_cpu`, groups of 32 along the input with a scale and a zero
-  each, as GGUF's Q4_1 blocks; `torch.ops.aten._weight_int8pack_mm`, one scale per output channel).
-- otherwise: oneDNN's bf16 matmul on a prepacked weight (AMX / AVX512-BF16 where the CPU has them). In the
-  int4 / int8 modes that weight is the *dequantized* quantized weight, so both paths compute with the same
-  weights up to bf16 rounding, and a chunked prefill sees the model a one-shot prefill sees.
+NOTE: same request, same answer. A row's output is the same bits whether it runs alone, in a chunk of
+hundreds, beside other requests or after a prefix-cache hit; the layers this replaces switched from a
+weight-only kernel to oneDNN's bf16 matmul above a few rows, and the two round differently, so a repeated
+request could get another answer (tests/engine/test_same_answer.py holds the engine to it).
 
-Activations are bf16 in every mode here (the weight-only kernels take bf16 rows); the caller loads the
-model in bf16. The fp32 reference never comes through this module.
+Where the C++ kernels cannot be built (no compiler) the layer falls back to float32 torch matmuls on the
+dequantized weights, which compute the same products but make no promise about the order of the sums.
 
 NOTE: for a GGUF whose linear weights are Q4_1 (the bundled model), int4 re-derives the file's own blocks:
 llama.cpp sets a block's min to its smallest weight and its step to (max - min) / 15, so the dequantized
-block's min and max give back the same min, step and 4-bit codes (scales and zeros rounded to bf16).
+block's min and max give back the same min, step and 4-bit codes.
 """
 
 from __future__ import annotations
@@ -33,23 +35,14 @@ from stallfree.engine.config import QUANTIZATIONS
 logger = logging.getLogger(__name__)
 
 INT4_GROUP = 32
-# Rows up to which the weight-only kernel beats oneDNN's bf16 matmul on the SmolLM2 shapes (one thread,
-# docs/engine.md): int4 costs ~3 ms per row over all layers against a flat ~21 ms for bf16; int8 ~16 ms at 1 row.
-SMALL_ROWS = {"int4": 6, "int8": 2, "none": 0}
+# The kernel's weight kinds (WeightKind in cpu_kernels.cpp).
+KIND = {"int4": 0, "int8": 1, "none": 2}
 
 
 def validate_quantization(quantization: str) -> None:
     """ValueError unless `quantization` names a mode this module packs."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-
-
-def onednn_bf16() -> bool:
-    """Whether oneDNN's bf16 matmul is available on this CPU (else plain F.linear in bf16 is used)."""
-    try:
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def quantize_int4(w: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor, Tensor]:
@@ -76,6 +69,13 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return codes, scale
 
 
+def pack_int4(codes: Tensor) -> Tensor:
+    """(N, K) codes 0..15 -> (N, K/2) uint8: per group of 32, byte j holds code j (low nibble) and j + 16."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // INT4_GROUP, 2, INT4_GROUP // 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) for x (T, K) -> (T, N) bf16, with W held as described in the module docstring."""
 
@@ -83,42 +83,52 @@ class PackedLinear(nn.Module):
         super().__init__()
         validate_quantization(quantization)
         self.quantization = quantization
-        self.small_rows = SMALL_ROWS[quantization]
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
-        self.int4: tuple[Tensor, Tensor] | None = None  # (packed codes, (K/g, N, 2) bf16 scale and zero)
-        self.int8: tuple[Tensor, Tensor] | None = None  # ((N, K) int8 codes, (N,) bf16 scales)
+        none = torch.zeros(0)
         if quantization == "int4":
             codes, scale, zero = quantize_int4(w)
-            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (K/g, N, 2)
-            self.int4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2), sz)
-            # The bf16 path's weight: what the int4 kernel computes with (its scale and zero are bf16).
-            s, z = sz.float().transpose(0, 1).unbind(-1)  # (N, K/g) each
-            w = ((codes.float().view(*s.shape, -1) - 8) * s[..., None] + z[..., None]).view_as(w)
+            lo = zero - 8 * scale  # the block's min: w = code * scale + min
+            self.packed, self.scale, self.minv = pack_int4(codes), scale.contiguous(), lo.contiguous()
         elif quantization == "int8":
             codes8, scale8 = quantize_int8(w)
-            self.int8 = (codes8, scale8.bfloat16())
-            w = codes8.float() * scale8.bfloat16().float()[:, None]
-        self.bias = None if bias is None else bias.detach().bfloat16()
-        self.onednn = onednn_bf16()
-        wb = w.bfloat16()
-        self.weight_bf16 = torch.ops.mkldnn._reorder_linear_weight(wb, None) if self.onednn else wb
+            self.packed, self.scale, self.minv = codes8.contiguous(), scale8.contiguous(), none
+        else:
+            self.packed, self.scale, self.minv = w.bfloat16().contiguous(), none, none
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.ops = _kernels()  # torch.ops.stallfree_cpu, or None
+        # (N, K) float32 where the kernels are missing, see the module docstring
+        self.fallback = None if self.ops is not None else self.dequantized()
+
+    def dequantized(self) -> Tensor:
+        """The weight the layer multiplies by, (N, K) float32."""
+        n, k = self.out_features, self.in_features
+        if self.quantization == "int4":
+            p = self.packed.view(n, k // INT4_GROUP, INT4_GROUP // 2)
+            codes = torch.cat([p & 15, p >> 4], dim=-1).float()  # (N, K/g, g)
+            return (codes * self.scale[..., None] + self.minv[..., None]).view(n, k)
+        if self.quantization == "int8":
+            return self.packed.float() * self.scale[:, None]
+        return self.packed.float()
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.to(torch.bfloat16)  # (T, K)
-        if x.shape[0] <= self.small_rows:
-            if self.int4 is not None:
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
-            else:
-                assert self.int8 is not None  # small_rows > 0 only in the quantized modes
-                out = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
-            return out if self.bias is None else out + self.bias
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight_bf16, self.bias, "none", [], "")
-        return F.linear(x, self.weight_bf16, self.bias)
+        if self.ops is not None:
+            return self.ops.packed_linear(
+                x, KIND[self.quantization], self.packed, self.scale, self.minv, self.bias, self.out_features
+            )
+        assert self.fallback is not None
+        return F.linear(x.float(), self.fallback, self.bias).bfloat16()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, quantization={self.quantization}"
+
+
+def _kernels():
+    """torch.ops.stallfree_cpu when the C++ kernels build here, else None (logged once by available())."""
+    from stallfree.engine.kernels import cpu_fused  # noqa: PLC0415 - the kernels import torch's extension loader
+
+    return cpu_fused.load() if cpu_fused.available() else None
 
 
 def pack_for_cpu(model: nn.Module, quantization: str = "none") -> nn.Module:

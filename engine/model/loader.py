@@ -43,7 +43,7 @@ def load_model(
     load_format="dummy": random weights (seeded) of the shape `path` names: a shape from
     `stallfree.engine.model.dummy.SHAPES` (default smollm2-135m), an HF config.json or a folder holding one;
     built on `device` directly. max_model_len caps the dummy model's RoPE tables.
-    quantization: on the CPU in bf16, "none" packs the linear layers for oneDNN's bf16 matmul and
+    quantization: on the CPU in bf16, "none" keeps the linear layers as bf16 weights for the one CPU GEMM and
     "int8" / "int4" quantizes them weight-only (stallfree.engine.model.cpu_linear); fp32 is left as is.
     Raises FileNotFoundError when the path does not exist or lacks files, ValueError for unsupported
     architectures, quantization types or tokenizers.

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from engine_helpers import first_logits_and_greedy, greedy, make_llm, prompt_ids
 
 import stallfree.engine.attention.torch_backend as torch_backend_mod
@@ -66,13 +67,27 @@ def _restart_positions(out, block_size):
     return replace(hb, positions=hb.positions - starts)  # every chunk starts at position 0
 
 
-def _chunk_sees_only_itself(batch, block_size, paged_decodes=False):
-    meta = ORIG_METADATA(batch, block_size, paged_decodes)
+def _chunk_sees_only_itself(batch, block_size, paged_rows=False):
+    meta = ORIG_METADATA(batch, block_size, paged_rows)
     spans = tuple(
         torch_backend_mod.PrefillSpan(p.q_start, p.q_len, 0, p.kv_slots[p.context_len :])
         for p in meta.prefills
     )
     return replace(meta, prefills=spans)
+
+
+def _chunk_rows_see_only_themselves(batch, block_size, paged_rows=False):
+    """The cpu backend's rows: each chunk token sees only the chunk's keys (a history cut at its start)."""
+    meta = ORIG_METADATA(batch, block_size, paged_rows)
+    if meta.decode_lens is not None:
+        hb = batch.host
+        starts = np.concatenate(
+            [hb.positions[: hb.num_decodes], np.repeat(hb.prefill_ctx_lens, hb.prefill_q_lens)]
+        )
+        meta.decode_lens.sub_(
+            torch.from_numpy(starts.astype(np.int32))
+        )  # keys 0 .. offset-in-chunk: wrong ones
+    return meta
 
 
 def _sees_the_future(self, q, keys, vals, context_len):
@@ -89,14 +104,23 @@ ORIG_PREFILL = torch_backend_mod.TorchBackend._prefill
     [
         (runner_mod, "host_batch", _restart_positions),
         (torch_backend_mod, "torch_metadata", _chunk_sees_only_itself),
+        (torch_backend_mod, "torch_metadata", _chunk_rows_see_only_themselves),
         (torch_backend_mod.TorchBackend, "_prefill", _sees_the_future),
     ],
-    ids=["positions-restart-per-chunk", "chunk-sees-only-itself", "chunk-sees-its-future"],
+    ids=[
+        "positions-restart-per-chunk",
+        "chunk-sees-only-itself",
+        "cpu-chunk-rows-see-only-themselves",
+        "chunk-sees-its-future",
+    ],  # fmt: skip
 )
 def test_the_comparison_catches_broken_chunking(default_model, one_shot, monkeypatch, target, attr, mutant):
     monkeypatch.setattr(target, attr, mutant)
     ids = prompt_ids(default_model.tokenizer, 300)
-    logits, _ = first_logits_and_greedy(default_model, ids, token_budget=64)
+    # The span mutants break the torch backend's prefill spans (the cpu backend attends every row through
+    # its paged kernel; _chunk_rows_see_only_themselves is its mutant).
+    backend = "torch" if mutant in (_chunk_sees_only_itself, _sees_the_future) else "auto"
+    logits, _ = first_logits_and_greedy(default_model, ids, token_budget=64, attention_backend=backend)
     diff = (logits - one_shot[300][0]).abs().max().item()
     assert diff > 100 * ATOL, f"a broken chunked prefill went unnoticed (diff {diff})"
 

@@ -18,7 +18,6 @@ import torch
 from engine_helpers import LogitRecorder, make_llm, prompt_ids
 
 import stallfree.engine.attention.torch_backend as torch_backend_mod
-import stallfree.engine.decode_groups as groups_mod
 from stallfree.engine import SamplingParams
 from stallfree.engine.attention import resolve_attention_backend
 from stallfree.engine.kernels import cpu_fused as K
@@ -138,11 +137,9 @@ def test_auto_picks_the_cpu_kernels_and_falls_back_without_them(monkeypatch, cap
 # --- the backend on the real model -----------------------------------------------------------------------
 
 
-def _run(loaded, backend, prompts, monkeypatch=None, max_keys=None, mutate=False):
+def _run(loaded, backend, prompts, monkeypatch=None, mutate=False):
     """First-step logits of every sampled row, and the greedy outputs, for prompts of different lengths
     arriving together under a small budget: decodes of unequal histories ride with prefill chunks."""
-    if max_keys is not None:
-        monkeypatch.setattr(groups_mod, "PAGED_DECODE_MAX_KEYS", max_keys)
     llm = make_llm(loaded, token_budget=48, attention_backend=backend)
     assert llm.engine.runner.backend.name == backend
     if mutate:
@@ -166,10 +163,10 @@ def prompts(default_model):
     return [prompt_ids(default_model.tokenizer, n) for n in (5, 40, 130, 9)]
 
 
-@pytest.mark.parametrize("max_keys", [16384, 1], ids=["paged-kernel", "padded-groups"])
-def test_cpu_backend_matches_torch_backend(default_model, prompts, monkeypatch, max_keys):
+def test_cpu_backend_matches_torch_backend(default_model, prompts, monkeypatch):
+    """Every row (decodes and chunk tokens) through the paged kernel against SDPA's spans and groups."""
     ref_logits, ref_tokens = _run(default_model, "torch", prompts)
-    logits, tokens = _run(default_model, "cpu", prompts, monkeypatch, max_keys)
+    logits, tokens = _run(default_model, "cpu", prompts, monkeypatch)
     assert logits.shape == ref_logits.shape
     diff = (logits - ref_logits).abs().max().item()
     assert diff < 2e-3, f"logits differ by {diff}"

@@ -70,11 +70,14 @@ def start_server(
     policy: str = "sarathi",
     drain_timeout_s: float = 10.0,
     enable_prefix_caching: bool = True,
+    **engine_kw,
 ) -> LiveServer:
+    """engine_kw: more EngineConfig fields (e.g. dtype, quantization) for the engine."""
     config = parse_traffic_config(traffic or {})
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, tunables=config.tunables()),
         cache=CacheConfig(num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
+        **engine_kw,
     )
     settings = ServerSettings(
         host=settings_host,
