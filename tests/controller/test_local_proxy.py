@@ -14,12 +14,10 @@ import httpx
 from stallfree.local.proxy import build_app
 
 
-class DroppingReplica:
-    """Reads each request, resets the connection for the first `drops` of them (the way an engine closing
-    an idle keep-alive connection meets a request sent on it), then answers 200 with a JSON body."""
+class FakeReplica:
+    """A real socket server on loopback that reads each whole request and hands it to `answer`."""
 
-    def __init__(self, drops: int) -> None:
-        self.drops = drops
+    def __init__(self) -> None:
         self.requests = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -43,17 +41,32 @@ class DroppingReplica:
                 while len(body) < length:
                     body += conn.recv(65536)
                 self.requests += 1
-                if self.requests <= self.drops:
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
-                    continue
-                out = json.dumps({"echo": json.loads(body)}).encode()
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(out), out)
-                )
+                self.answer(conn, body)
+
+    def answer(self, conn: socket.socket, body: bytes) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self.sock.close()
+
+
+class DroppingReplica(FakeReplica):
+    """Resets the connection for the first `drops` requests (the way an engine closing an idle keep-alive
+    connection meets a request sent on it), then answers 200 with a JSON body."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops = drops
+        super().__init__()
+
+    def answer(self, conn: socket.socket, body: bytes) -> None:
+        if self.requests <= self.drops:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+            return
+        out = json.dumps({"echo": json.loads(body)}).encode()
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(out), out)
+        )
 
 
 def post_through_proxy(replica: DroppingReplica) -> httpx.Response:
@@ -88,34 +101,17 @@ def test_a_replica_that_keeps_dropping_gets_an_explicit_502():
     assert replica.requests == 2
 
 
-class ShortStreamReplica:
+class ShortStreamReplica(FakeReplica):
     """Answers every request with a well-formed SSE body that stops before `data: [DONE]` (a replica whose
     stream was cut at an event boundary), then closes."""
 
     BODY = b'data: {"choices": [{"index": 0, "text": "Hel"}]}\n\ndata: {"choices": [{"index": 0, "text": "lo"}]}\n\n'
 
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY)
-                )
-
-    def close(self) -> None:
-        self.sock.close()
+    def answer(self, conn: socket.socket, body: bytes) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY)
+        )
 
 
 def test_a_stream_that_ends_without_done_gets_an_error_event():
