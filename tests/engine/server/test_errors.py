@@ -76,8 +76,11 @@ CASES = [
     (
         "tool_choice names no given tool",
         "/v1/chat/completions",
-        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}],
-         "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        {
+            "messages": MSGS,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
         None,
         400,
         "which is not in tools",

@@ -98,7 +98,9 @@ def test_the_device_path_masks_the_same_tokens():
     masks = [_Mask(torch.randperm(vocab, generator=gen)[:k].tolist(), vocab) for k in (1, 37, 999)]
     logits = torch.randn(5, vocab, generator=gen)
     p = SamplingParams()
-    reqs = [SampleRequest(str(i), p, 0, allowed_tokens=masks[i // 2] if i % 2 == 0 else None) for i in range(5)]
+    reqs = [
+        SampleRequest(str(i), p, 0, allowed_tokens=masks[i // 2] if i % 2 == 0 else None) for i in range(5)
+    ]
     cpu = mask_disallowed(logits.clone(), reqs)
     dev = mask_rows(logits.clone(), torch.tensor([0, 2, 4]), torch.stack([m.bitmask() for m in masks]))
     assert torch.equal(cpu, dev)
