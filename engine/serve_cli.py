@@ -230,9 +230,9 @@ def build_configs(args: argparse.Namespace):
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
-    names = tuple(args.served_model_name or ())
-    if any(not n.strip() for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"--served-model-name takes distinct non-empty names, got {list(names)}")
+    served_names = tuple(args.served_model_name or ())
+    if any(not n.strip() for n in served_names) or len(set(served_names)) != len(served_names):
+        raise ValueError(f"--served-model-name takes distinct non-empty names, got {list(served_names)}")
     model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
     if load_format == "auto" and model and model.startswith("hf://"):
         from stallfree.engine.hub import resolve_model  # noqa: PLC0415
@@ -292,7 +292,7 @@ def build_configs(args: argparse.Namespace):
         stats_window_s=args.stats_window,
         drain_timeout_s=args.drain_timeout,
         iteration_log=args.iteration_log,
-        served_model_names=names,
+        served_model_names=served_names,
         tool_call_parser=args.tool_call_parser,
     )
     return engine_config, settings

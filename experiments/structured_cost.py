@@ -50,7 +50,7 @@ def run_config(
     engine, batch: int, constrained: int, context: int, steps: int, salt: int
 ) -> list[dict[str, float]]:
     """Start `batch` decodes (the first `constrained` under SCHEMA), reach decode, time `steps` steps."""
-    from stallfree.engine.bench import synthetic_ids
+    from experiments.engine_bench import synthetic_ids
     from stallfree.engine.sampling_params import SamplingParams
     from stallfree.engine.structured import StructuredOutputsParams
 

@@ -104,6 +104,15 @@ def test_scheduling_flags_reach_the_engine_config():
     assert config.scheduler.hybrid_batching is False  # the paper's chunking-only ablation
 
 
+def test_served_names_survive_traffic_cluster_flags():
+    """--served-model-name and --traffic-cluster together: the served names stay the ordered tuple given."""
+    from stallfree.engine.serve_cli import build_configs, build_parser
+
+    argv = ["--served-model-name", "b", "a", "--traffic-cluster", "name=chat,chunkCap=64"]
+    _, settings = build_configs(build_parser().parse_args(argv))
+    assert settings.served_model_names == ("b", "a")
+
+
 def test_attention_backend_and_enforce_eager_reach_the_engine_config():
     from stallfree.engine.serve_cli import build_configs, build_parser
 
