@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 from stallfree.engine import LLM
 from stallfree.engine.engine import resolve_max_model_len
 from stallfree.engine.serve_cli import build_configs, build_parser, main
+from stallfree.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from model_fixtures import make_tiny_hf_model, save_hf_folder, train_qwen_style_tokenizer  # noqa: E402
@@ -68,9 +68,7 @@ def qwen3_server(tmp_path_factory):
     folder = save_hf_folder(tmp_path_factory.mktemp("qwen3") / "Qwen3-tiny", make_tiny_hf_model(
         "qwen3", tie=True, vocab_size=tok.get_vocab_size(), head_dim=32, bos_token_id=317, eos_token_id=319,
     ), tok)  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "stallfree", "serve", "--model", str(folder), "--dtype", "float32",
          "--served-model-name", "qwen3-tiny", "team/alias", "--max-model-len", str(MAX_LEN),
