@@ -152,6 +152,14 @@ def crd(k8s: K8sEnv) -> dict:
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
     wait_until(established, timeout=60, what="CRD Established")
+
+    # Established is not yet served: until the API server's storage for the new resource has initialized,
+    # LIST and WATCH answer 429 "storage is (re)initializing", and an operator started now backs off
+    # before it sees anything. Wait until a LIST is answered.
+    def listed() -> bool:
+        return k8s.kubectl("get", PLURAL, "--all-namespaces", "-o", "name", check=False).returncode == 0
+
+    wait_until(listed, timeout=60, what=f"LIST {PLURAL} answered")
     return yaml.safe_load(CRD_FILE.read_text())
 
 
@@ -194,6 +202,9 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def log_tail(self, lines: int = 80) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -22,3 +22,14 @@ def operator_all(k8s: K8sEnv, crd: dict) -> Iterator[OperatorProcess]:  # noqa: 
     op = OperatorProcess(k8s, "--namespace", "t*")
     yield op
     op.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that ran against the session's operator carries the tail of the operator's log, so a
+    failure seen only in CI says what the operator was doing (the log file is gone with the machine)."""
+    report = yield
+    operator = getattr(item, "funcargs", {}).get("operator_all")
+    if report.failed and isinstance(operator, OperatorProcess):
+        report.sections.append(("stallfree operator log (last 80 lines)", operator.log_tail()))
+    return report

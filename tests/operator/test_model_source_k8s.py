@@ -60,7 +60,7 @@ def test_hf_source_gets_download_init_container_cache_claim_and_sizing(
         obj = k8s.get("sarathideployment", "big", namespace) or {}
         return (obj.get("status") or {}).get("model")
 
-    model = wait_until(sized, timeout=60, what="status.model")
+    model = wait_until(sized, timeout=120, what="status.model")
     assert model["size"] == "131.4Gi" and model["weightBytes"] == 141_107_412_992
     assert model["gpusPerReplica"] == 2 and model["memory"] == "10Gi"  # 80Gi GPUs; streaming loader
     assert (
