@@ -12,6 +12,12 @@ Each graph class holds the model and the attention backend (which must support g
   attention calls instead of ~12 launches per layer from Python, which made a 512-token hybrid iteration
   host-bound on the H200 (docs/gpu.md).
 
+Both work on the whole model or on one pipeline stage of it (the parallel workers): a later stage's graphs
+read the previous stage's hidden states from a persistent input buffer instead of embedding token ids, and a
+stage before the last ends with its residual stream (what it hands on) instead of the final norm and logits.
+Tensor-parallel collectives (the all-reduces after o_proj and down_proj, the logits' all-gather) are
+captured with the layers.
+
 Graphs read and write persistent buffers that a replay fills first; all are captured at start-up, before the
 engine reports ready.
 """
@@ -48,16 +54,21 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         dev = backend.cache.device
         n = self.sizes[-1]
+        pin = dev.type == "cuda"  # (a CPU stand-in in the tests builds these too)
         self.host = {
-            "ids": torch.zeros(n, dtype=torch.int64, pin_memory=True),
-            "pos": torch.zeros(n, dtype=torch.int64, pin_memory=True),
-            "slots": torch.full((n,), -1, dtype=torch.int64, pin_memory=True),
-            "lens": torch.zeros(n, dtype=torch.int64, pin_memory=True),
-            "tables": torch.zeros((n, max_pages), dtype=torch.int64, pin_memory=True),
+            "ids": torch.zeros(n, dtype=torch.int64, pin_memory=pin),
+            "pos": torch.zeros(n, dtype=torch.int64, pin_memory=pin),
+            "slots": torch.full((n,), -1, dtype=torch.int64, pin_memory=pin),
+            "lens": torch.zeros(n, dtype=torch.int64, pin_memory=pin),
+            "tables": torch.zeros((n, max_pages), dtype=torch.int64, pin_memory=pin),
         }
         self.dev = {k: torch.zeros_like(v, device=dev) for k, v in self.host.items()}
+        parts = model.parts()
+        self.last = parts.norm is not None  # ends in logits; else in the hidden states handed on
+        # A later pipeline stage's input: the previous stage's hidden states, copied in before a replay.
+        self.x_in = None if parts.embed is not None else _hidden_buffer(model, n, dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._copied = torch.cuda.Event()
+        self._copied = torch.cuda.Event() if pin else None
 
     def padded(self, batch: int) -> int | None:
         """The smallest captured size that holds `batch` decodes (None when none does)."""
@@ -70,8 +81,9 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         b, d = self.backend, self.dev
         attend = b.decode_fn(d["slots"][:size], d["tables"][:size], d["lens"][:size], b.splits(size))
-        hidden = self.model(d["ids"][:size], d["pos"][:size], attend, b.kernels)  # (size, C)
-        return self.model.compute_logits(hidden)  # (size, V) float32
+        x = d["ids"][:size] if self.x_in is None else self.x_in[:size]
+        hidden = self.model(x, d["pos"][:size], attend, b.kernels)  # (size, C)
+        return self.model.compute_logits(hidden) if self.last else hidden  # (size, V) float32 | (size, C)
 
     def capture(self, pool) -> None:
         with _NoGC():
@@ -95,12 +107,18 @@ class DecodeGraphs:
         for key, value in (("ids", 0), ("pos", 0), ("slots", -1), ("lens", 1), ("tables", 0)):
             self.dev[key][:size].fill_(value)
 
-    def run(self, hb: HostBatch) -> torch.Tensor:
-        """Replay the graph for this decode-only batch; returns its logits (D, V)."""
+    def run(self, hb: HostBatch, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph for this decode-only batch; returns its logits (D, V), or on a stage before the
+        last its hidden states (D, C) (a view of a persistent buffer: the next replay overwrites it).
+        x: a later stage's input, the previous stage's hidden states (D, C)."""
         D = hb.num_decodes
         size = self.padded(D)
         assert size is not None
-        self._copied.synchronize()  # the mirrors may be rewritten only once the last copies have landed
+        if self.x_in is not None:
+            assert x is not None, "a later pipeline stage replays with the previous stage's hidden states"
+            self.x_in[:D].copy_(x)
+        if self._copied is not None:
+            self._copied.synchronize()  # the mirrors may be rewritten only once the last copies have landed
         h = self.host
         h["ids"][:D] = torch.from_numpy(hb.input_ids)
         h["pos"][:D] = torch.from_numpy(hb.positions)
@@ -112,7 +130,8 @@ class DecodeGraphs:
         h["tables"][:D, :width] = torch.from_numpy(hb.decode_tables)
         for key in self.host:
             self.dev[key][:size].copy_(h[key][:size], non_blocking=True)
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:D]
@@ -126,6 +145,12 @@ def piecewise_sizes(largest: int = 1024) -> list[int]:
     2048: 1.05x one-shot eager, 1.13x piecewise), so iterations that large run eagerly.
     """
     return list(range(32, largest + 1, 32)) if largest >= 32 else []
+
+
+def _hidden_buffer(model: nn.Module, rows: int, device: torch.device) -> torch.Tensor:
+    """A persistent (rows, C) buffer in the model's activation dtype."""
+    norm = model.parts().layers[0].input_layernorm.weight
+    return torch.zeros(rows, model.config.hidden_size, dtype=norm.dtype, device=device)
 
 
 class _NoGC:
@@ -146,27 +171,32 @@ class _NoGC:
 class PiecewiseGraphs:
     """The forward between attentions as CUDA graphs, per padded token count (see the module docstring).
 
-    Persistent buffers (largest size, sliced): token ids, positions, KV slots (inputs), the current layer's
-    fused qkv, the residual stream, the attention output and the final hidden states. Segment s of a size
-    runs layer s - 1's post-attention part and layer s's pre-attention part (s = 0: the embedding; s = L: the
-    final norm).
+    Persistent buffers (largest size, sliced): token ids or, on a later pipeline stage, the previous stage's
+    hidden states, positions, KV slots (inputs), the current layer's fused qkv, the residual stream, the
+    attention output and the final hidden states. Segment s of a size runs layer s - 1's post-attention part
+    and layer s's pre-attention part (s = 0: the embedding, or the input as it came; s = L: the final norm,
+    or on a stage before the last the residual stream it hands on). Head counts are this rank's (tensor
+    parallel shards them).
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, sizes: list[int]) -> None:
         self.model, self.backend = model, backend
+        self.parts = model.parts()
         self.sizes = sorted(sizes)
         dev = backend.cache.device
-        cfg = model.config
-        n, dtype = self.sizes[-1], model.model.embed_tokens.weight.dtype
-        self.num_layers = cfg.num_layers
+        n = self.sizes[-1]
+        attn = self.parts.layers[0].self_attn
+        self.num_layers = len(self.parts.layers)
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.x_in = None if self.parts.embed is not None else _hidden_buffer(model, n, dev)
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        width = cfg.q_size + 2 * cfg.kv_size
+        self.residual = _hidden_buffer(model, n, dev)
+        dtype = self.residual.dtype
+        width = attn.q_size + 2 * attn.kv_size
         self.qkv = torch.zeros(n, width, dtype=dtype, device=dev)  # (n, (nh + 2 nkv) hd)
-        self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
-        self.attn = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)
-        self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        self.attn = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=dev)
+        self.hidden = _hidden_buffer(model, n, dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
 
     def padded(self, tokens: int) -> int | None:
@@ -174,16 +204,20 @@ class PiecewiseGraphs:
         return next((s for s in self.sizes if s >= tokens and s in self.graphs), None)
 
     def _segment(self, s: int, size: int) -> None:
-        m, fused = self.model, self.backend.kernels
-        layers = m.model.layers
+        p, fused = self.parts, self.backend.kernels
+        layers = p.layers
         if s == 0:
-            x, residual = m.model.embed_tokens(self.ids[:size]), None
+            x = p.embed(self.ids[:size]) if self.x_in is None else self.x_in[:size]
+            residual = None
         else:
             x, residual = layers[s - 1].post_attention(self.attn[:size], self.residual[:size], fused)
         if s == self.num_layers:
-            self.hidden[:size].copy_(fused.add_rmsnorm(x, residual, m.model.norm.weight, m.model.norm.eps)[0])
+            if p.norm is None:  # a stage before the last hands its residual stream on whole
+                self.hidden[:size].copy_(x + residual)
+            else:
+                self.hidden[:size].copy_(fused.add_rmsnorm(x, residual, p.norm.weight, p.norm.eps)[0])
             return
-        qkv, residual = layers[s].pre_attention(x, residual, self.pos[:size], m.rotary, fused)
+        qkv, residual = layers[s].pre_attention(x, residual, self.pos[:size], p.rotary, fused)
         _, k, v = layers[s].self_attn.split_qkv(qkv)
         kf, vf = self.backend.cache.flat(s)
         fused.store_kv(k, v, kf, vf, self.slots[:size])
@@ -215,16 +249,18 @@ class PiecewiseGraphs:
     def run(
         self, hb: HostBatch, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, attend: AttentionFn
     ) -> torch.Tensor:
-        """Forward of a batch of T tokens (device inputs already staged); returns hidden states (T, C)."""
+        """Forward of a batch of T tokens (device inputs already staged); returns hidden states (T, C), a view
+        of a persistent buffer. `ids`: token ids (T,), or on a later pipeline stage the previous stage's
+        hidden states (T, C)."""
         T = hb.num_tokens
         size = self.padded(T)
         assert size is not None
-        self.ids[:T].copy_(ids)
+        (self.ids if self.x_in is None else self.x_in)[:T].copy_(ids)
         self.pos[:T].copy_(pos)
         self.slots[:T].copy_(slots)
         if size > T:
             self.slots[T:size].fill_(-1)
-        split = self.model.model.layers[0].self_attn.split_qkv
+        split = self.parts.layers[0].self_attn.split_qkv
         graphs = self.graphs[size]
         for s in range(self.num_layers + 1):
             graphs[s].replay()

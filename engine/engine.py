@@ -155,17 +155,20 @@ class LLMEngine:
             mc.num_layers, self.num_kv_blocks, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
             self.device,
         )  # fmt: skip
-        graphs = None
-        if self.config.cuda_graphs:
-            graphs = GraphConfig(
-                self.config.scheduler.max_num_seqs, self.max_model_len, self.config.max_graph_tokens
-            )
         return ModelRunner(
             self.loaded.model,
             make_backend(backend, kv, mc.num_heads, mc.num_kv_heads, mc.head_dim),
             stop_token_ids=self.tokenizer.stop_token_ids,
             seed=self.config.seed,
-            graphs=graphs,
+            graphs=self._graph_config(),
+        )
+
+    def _graph_config(self) -> GraphConfig | None:
+        """The CUDA graphs to capture (the runner ignores them where the device or backend has none)."""
+        if not self.config.cuda_graphs:
+            return None
+        return GraphConfig(
+            self.config.scheduler.max_num_seqs, self.max_model_len, self.config.max_graph_tokens
         )
 
     def _num_kv_blocks(self) -> int:

@@ -14,7 +14,8 @@ Per iteration it
   says so (one synchronisation per iteration), else row by row.
 
 The parallel workers run the same loop over their stage of the model, with a `StageLink` that receives the
-previous stage's hidden states and sends theirs on.
+previous stage's hidden states and sends theirs on; their graphs cover the stage (the hand-offs run between
+replays).
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ class ModelRunner:
         reqs = [SampleRequest.of(c, out.allowed_tokens.get(c.request_id)) for c in out.chunks if c.sample]
         if self.graphs is not None and self.graphs.fits(hb):
             t1 = time.perf_counter()
-            logits = self.graphs.run(hb)  # (D, V): every decode samples
+            received = self.link.receive(hb.num_tokens) if self.link is not None else None
+            out = self.graphs.run(hb, received)  # (D, V): every decode samples; (D, C) before the last stage
+            logits = self._hand_on(out, persistent=True)
         else:
             t1, logits = self._eager(hb)
         on_device = self.backend.samples_on_device
@@ -144,18 +147,27 @@ class ModelRunner:
             x = x if received is None else received
         t1 = time.perf_counter()
         kernels = self.backend.kernels
-        if self.piecewise is not None and self.piecewise.padded(hb.num_tokens) is not None:
+        piecewise = self.piecewise is not None and self.piecewise.padded(hb.num_tokens) is not None
+        if piecewise:
             attend = self.backend.bind(meta, store=False)
             hidden = self.piecewise.run(hb, x, batch.positions, batch.slot_mapping, attend)
         else:
             hidden = self.model(x, batch.positions, self.backend.bind(meta), kernels)  # (T, C)
-        if self.link is not None and not self.link.last:
-            self._sync()
-            self.link.send(hidden)
+        if self._hand_on(hidden, persistent=piecewise) is None:
             return t1, None
         if not len(hb.sample_rows):
             return t1, None
         return t1, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # (N, V) float32
+
+    def _hand_on(self, out: Tensor, persistent: bool) -> Tensor | None:
+        """On a pipeline stage before the last: send `out` (hidden states) to the next stage and return None.
+        Otherwise return `out`. persistent: `out` is a graph's output buffer, which the next replay rewrites
+        while the send may still be reading it, so a copy is sent."""
+        if self.link is None or self.link.last:
+            return out
+        self._sync()
+        self.link.send(out.clone() if persistent else out)
+        return None
 
     def warm_up(self) -> float:
         """Compile the backend's kernels and capture the graphs before the engine reports ready; seconds."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
@@ -228,6 +229,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@dataclass(frozen=True, slots=True)
+class StageParts:
+    """The pieces a forward runs, for code that replays a model layer by layer (the CUDA graphs): the whole
+    model, or one pipeline stage of it (stallfree.engine.parallel.stage.StageModel)."""
+
+    embed: nn.Embedding | None  # None: a later pipeline stage, whose input is the previous stage's output
+    layers: nn.ModuleList
+    norm: RMSNorm | None  # None: a stage that hands its residual stream (x + residual) to the next one
+    rotary: RotaryEmbedding
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head. `forward` returns final hidden states; `compute_logits` projects them.
 
@@ -273,6 +285,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
+
+    def parts(self) -> StageParts:
+        return StageParts(self.model.embed_tokens, self.model.layers, self.model.norm, self.rotary)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, C) hidden states -> (N, vocab) float32 logits."""

@@ -95,6 +95,7 @@ class ParallelLLMEngine(LLMEngine):
             stop_token_ids=self.tokenizer.stop_token_ids,
             seed=self.config.seed,
             timeout_s=par.step_timeout_s,
+            graphs=self._graph_config(),
         )
         self.executor = ParallelExecutor(template, contract)
         fits = min(self.executor.capacities.values())
@@ -109,7 +110,9 @@ class ParallelLLMEngine(LLMEngine):
 
     def _make_runner(self):  # type: ignore[override]
         assert self.executor is not None
-        self.executor.allocate(self.num_kv_blocks)
+        seconds = self.executor.allocate(self.num_kv_blocks)
+        if seconds:
+            logger.info("worker ranks warmed up in %.1f s", seconds)
         self.executor.backend = _BackendName(  # type: ignore[attr-defined]
             f"{self.executor.template.attention_backend} x tp{self.config.parallel.tensor_parallel_size}"
             f" x pp{self.config.parallel.pipeline_parallel_size}"

@@ -41,6 +41,7 @@ class ParallelExecutor:
 
     def __init__(self, template: WorkerInit, contract: NodeContract, start_timeout_s: float = 600.0) -> None:
         self.template = template
+        self.start_timeout_s = start_timeout_s
         self.world = template.world_size
         self.sampling_rank = (template.pp_size - 1) * template.tp_size
         self.conns: dict[int, Connection] = {}
@@ -99,8 +100,10 @@ class ParallelExecutor:
             remote.discard(rank)
 
     # ---- protocol ----------------------------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int) -> float:
+        """Every rank allocates its cache and warms its runner up; returns the slowest warm-up in seconds."""
         self._broadcast(("alloc", num_blocks))
+        return max(self._gather("warm", self.start_timeout_s).values())
 
     def release(self, request_id: str) -> None:
         self._released.append(request_id)

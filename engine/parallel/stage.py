@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from stallfree.engine.model.config import LlamaConfig
-from stallfree.engine.model.llama import AttentionFn, LlamaForCausalLM
+from stallfree.engine.model.llama import AttentionFn, LlamaForCausalLM, StageParts
 from stallfree.engine.parallel.layers import Collective, NoCollective, gather_logits, shard_model, split_range
 
 
@@ -64,6 +64,9 @@ class StageModel(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return x if self.norm is None else self.norm(x)
+
+    def parts(self) -> StageParts:
+        return StageParts(self.embed_tokens, self.layers, self.norm, self.rotary)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return gather_logits(self.full, hidden, self.comm)

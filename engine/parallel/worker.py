@@ -4,8 +4,9 @@ KV cache, and a loop that runs every micro-batch the leader sends.
 Control messages (pickled over a multiprocessing connection, in this order on every worker):
   leader -> worker  WorkerInit, then ("alloc", num_blocks), then ("step", mb, SchedulerOutput, released ids),
                     ("stats",) or ("shutdown",)
-  worker -> leader  ("ready", rank, kv capacity in blocks); ("done", mb, samples, timings) from the sampling
-                    rank (last stage, tensor rank 0); ("stats", rank, records); ("error", rank, message)
+  worker -> leader  ("ready", rank, kv capacity in blocks); ("warm", rank, seconds) once its runner has
+                    compiled its kernels and captured its CUDA graphs; ("done", mb, samples, timings) from the
+                    sampling rank (last stage, tensor rank 0); ("stats", rank, records); ("error", rank, message)
 Tensors move between ranks only through torch.distributed: all-reduce / all-gather inside a stage's
 tensor-parallel group, hidden states from stage s to stage s + 1 (same tensor rank) by send/recv.
 
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from stallfree.engine.attention import KVCache, make_backend
 from stallfree.engine.model.config import LlamaConfig
-from stallfree.engine.model_runner import ModelRunner
+from stallfree.engine.model_runner import GraphConfig, ModelRunner
 from stallfree.engine.parallel.layers import Collective, NoCollective, head_shard
 from stallfree.engine.parallel.stage import StageModel, build_stage
 
@@ -60,6 +61,9 @@ class WorkerInit:
     # How a rank without shared weights (another node) gets them: "auto" reads model_path; "dummy" builds
     # the same random weights as the leader (same shape, dtype and seed, on the CPU, so they agree).
     load_format: str = "auto"
+    # CUDA graphs of this rank's stage (ignored unless the backend supports them on a CUDA device); every
+    # rank captures the same sizes in the same order, so the collectives inside the captures line up.
+    graphs: GraphConfig | None = None
 
     @property
     def world_size(self) -> int:
@@ -168,9 +172,14 @@ class StageWorker:
         )  # fmt: skip
         backend = make_backend(init.attention_backend, cache, self.num_heads, self.num_kv_heads, cfg.head_dim)
         self.runner = ModelRunner(
-            self.stage, backend, stop_token_ids=init.stop_token_ids, seed=init.seed,
+            self.stage, backend, stop_token_ids=init.stop_token_ids, seed=init.seed, graphs=init.graphs,
             link=PipeLink(init, self.stage, self.device), samples=self.samples,
         )  # fmt: skip
+
+    def warm_up(self) -> float:
+        """Compile kernels and capture graphs (every rank at once: the warm-up batch crosses the stages)."""
+        assert self.runner is not None
+        return self.runner.warm_up()
 
     def run(self, mb: int, sched, released: tuple[str, ...]):
         """Run one micro-batch through this stage. Returns (samples, timings) on the last stage."""
@@ -234,6 +243,7 @@ def _start(conn: Connection, init: WorkerInit) -> StageWorker:
     if kind != "alloc":
         raise RuntimeError(f"expected an alloc message, got {kind!r}")
     worker.allocate(num_blocks)
+    conn.send(("warm", init.rank, worker.warm_up()))
     return worker
 
 
