@@ -38,6 +38,18 @@ void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
+// A 64-byte aligned scratch buffer.
+struct AlignedBuffer {
+  void* p = nullptr;
+  explicit AlignedBuffer(int64_t bytes) {
+    if (posix_memalign(&p, 64, std::max<int64_t>(bytes, 64))) p = nullptr;
+    TORCH_CHECK(p != nullptr, "out of memory for a ", bytes, "-byte buffer");
+  }
+  ~AlignedBuffer() { free(p); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
 template <typename T>
 inline float to_f(T v) {
   return static_cast<float>(v);
@@ -365,6 +377,171 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
+#ifdef __AVX512F__
+
+// ---- attention of many rows over the paged cache (AVX-512) --------------------------------------------
+
+// Lane t of the result is the sum of v[t]'s 16 lanes, every vector summed in the same tree (lanes j and
+// j + 8, then j and j + 4, then j and j + 2, then j and j + 1; float addition commutes exactly, so which
+// operand a vector was in a shuffle does not change its bits). 45 shuffles and adds for 16 sums, against
+// 16 x 15 scalar adds one at a time.
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int m = 0; m < 8; ++m)
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)
+    x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int m = 0; m < 2; ++m)
+    y[m] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // z's lane 4k + j holds v[4j + k]'s sum: put v[t]'s in lane t.
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+template <typename T>
+inline __m512 load16(const T* p) {
+  alignas(64) float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm512_load_ps(f);
+}
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// Keys per tile: scores come 16 at a time (one vector), and values are widened 16 rows at a time.
+constexpr int64_t kKeyTile = 16;
+
+// One task = up to R consecutive rows that read the same pages (a prefill chunk's rows; a decode is a group
+// of one) x one KV head: the group's R x G query vectors share each key and value row as it is widened,
+// which a chunk of R rows would otherwise widen R times. HD (a multiple of 16) is fixed at compile time.
+//
+// NOTE: same request, same answer. What is computed for one row does not depend on the others in its group
+// or batch: its score for key t is its query vector times key t in a fixed order (FMAs over the head dim in
+// 16-lane pieces, then reduce16's tree), whichever rows share the tile; key tiles start at key 0 for every
+// row; the softmax covers exactly its own keys (max, then exp, then ordered_sum); and its output adds p x
+// value over its keys in ascending order, one FMA per element. A decode alone and the same row amid a chunk
+// are the same sequence of operations.
+template <typename q_t, typename c_t, int64_t HD>
+void rows_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+  static_assert(HD % 16 == 0, "head dim must be a multiple of 16");
+  constexpr int64_t C = HD / 16;  // vectors per head row
+  const int64_t D = q.size(0), H = q.size(1), KVH = k_cache.size(2), BS = k_cache.size(1), G = H / KVH;
+  const int64_t P = tables.size(1), qs0 = q.stride(0), qs1 = q.stride(1);
+  const q_t* qp = q.data_ptr<q_t>();
+  const c_t* kc = k_cache.data_ptr<c_t>();
+  const c_t* vc = v_cache.data_ptr<c_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  q_t* op = out.data_ptr<q_t>();
+  const float sc = static_cast<float>(scale);
+  // Groups: consecutive rows with the same table, at most R of them (R x G <= 32 query vectors).
+  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(16, 32 / G));
+  std::vector<int64_t> starts;
+  int64_t longest = 1;
+  for (int64_t d = 0; d < D; ++d) {
+    longest = std::max<int64_t>(longest, lp[d]);
+    const bool joins = !starts.empty() && d - starts.back() < R &&
+                       std::memcmp(tp + d * P, tp + starts.back() * P, P * sizeof(int32_t)) == 0;
+    if (!joins) starts.push_back(d);
+  }
+  const int64_t NG = static_cast<int64_t>(starts.size());
+  starts.push_back(D);
+  const int64_t grain = std::max<int64_t>(1, 65536 / (2 * longest * R * G * HD));
+  at::parallel_for(0, NG * KVH, grain, [&](int64_t begin, int64_t end) {
+    const int64_t NVmax = R * G, Lpad = (longest + kKeyTile - 1) / kKeyTile * kKeyTile;
+    AlignedBuffer qbuf(NVmax * HD * 4), sbuf(NVmax * Lpad * 4), kbuf(kKeyTile * HD * 4),
+        abuf(NVmax * HD * 4);
+    float* qf = static_cast<float*>(qbuf.p);
+    float* scores = static_cast<float*>(sbuf.p);
+    float* kv = static_cast<float*>(kbuf.p);
+    float* acc = static_cast<float*>(abuf.p);
+    std::vector<float> denom(NVmax);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t grp = item / KVH, h = item % KVH, d0 = starts[grp], nr = starts[grp + 1] - d0;
+      const int64_t NV = nr * G;  // query vector r * G + g: row d0 + r, query head h * G + g
+      const int32_t* table = tp + d0 * P;
+      int64_t lmax = 0;
+      for (int64_t r = 0; r < nr; ++r) lmax = std::max<int64_t>(lmax, lp[d0 + r]);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          float* qv = qf + (r * G + g) * HD;
+          load_row(qp + (d0 + r) * qs0 + (h * G + g) * qs1, qv, HD);
+          for (int64_t i = 0; i < HD; ++i) qv[i] *= sc;
+        }
+      auto widen_tile = [&](const c_t* cache, int64_t t0) {  // rows t0 .. t0 + 15 of the cache, zeros past lmax
+        for (int64_t j = 0; j < kKeyTile; ++j) {
+          const int64_t t = t0 + j;
+          if (t < lmax) {
+            const c_t* src = cache + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + h) * HD;
+            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(kv + j * HD + c * 16, load16(src + c * 16));
+          } else {
+            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(kv + j * HD + c * 16, _mm512_setzero_ps());
+          }
+        }
+      };
+      // Scores, 16 keys at a time.
+      for (int64_t t0 = 0; t0 < lmax; t0 += kKeyTile) {
+        widen_tile(kc, t0);
+        for (int64_t v = 0; v < NV; ++v) {
+          if (lp[d0 + v / G] <= t0) continue;
+          __m512 qv[C], part[kKeyTile];
+          for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_load_ps(qf + v * HD + c * 16);
+          for (int64_t j = 0; j < kKeyTile; ++j) {
+            __m512 s = _mm512_mul_ps(qv[0], _mm512_load_ps(kv + j * HD));
+            for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kv + j * HD + c * 16), s);
+            part[j] = s;
+          }
+          _mm512_store_ps(scores + v * Lpad + t0, reduce16(part));
+        }
+      }
+      for (int64_t v = 0; v < NV; ++v) {
+        const int64_t len = lp[d0 + v / G];
+        float* sv = scores + v * Lpad;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sv[t]);
+        exp_shifted(sv, len, mx);
+        denom[v] = ordered_sum(sv, len);
+      }
+      // Weighted values, 16 keys at a time, each row over its own keys in ascending order.
+      std::memset(acc, 0, NV * HD * sizeof(float));
+      for (int64_t t0 = 0; t0 < lmax; t0 += kKeyTile) {
+        widen_tile(vc, t0);
+        for (int64_t v = 0; v < NV; ++v) {
+          const int64_t nk = std::min<int64_t>(kKeyTile, lp[d0 + v / G] - t0);
+          if (nk <= 0) continue;
+          const float* sv = scores + v * Lpad + t0;
+          __m512 a[C];
+          for (int64_t c = 0; c < C; ++c) a[c] = _mm512_load_ps(acc + v * HD + c * 16);
+          for (int64_t j = 0; j < nk; ++j) {
+            const __m512 p = _mm512_set1_ps(sv[j]);
+            for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_load_ps(kv + j * HD + c * 16), a[c]);
+          }
+          for (int64_t c = 0; c < C; ++c) _mm512_store_ps(acc + v * HD + c * 16, a[c]);
+        }
+      }
+      for (int64_t v = 0; v < NV; ++v) {
+        const int64_t r = v / G, g = v % G;
+        q_t* dst = op + ((d0 + r) * H + h * G + g) * HD;
+        for (int64_t i = 0; i < HD; ++i) dst[i] = static_cast<q_t>(acc[v * HD + i] / denom[v]);
+      }
+    }
+  });
+}
+
+#endif
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   check_float(q, "q");
@@ -396,11 +573,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
     using q_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_kv", [&] {
+#ifdef __AVX512F__
+      if (hd == 64) {
+        rows_attention_impl<q_t, scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      } else if (hd == 128) {
+        rows_attention_impl<q_t, scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
+      } else {
+#else
       if (hd == 64) {
         decode_impl<q_t, scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
       } else if (hd == 128) {
         decode_impl<q_t, scalar_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
       } else {
+#endif
         decode_impl<q_t, scalar_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
       }
     });
@@ -452,16 +637,6 @@ inline float lane_tree(const float* lane) {
 // Rows up to which the weights are widened in registers per row tile instead of into a shared panel.
 constexpr int64_t kDirectRows = 8;
 
-struct AlignedBuffer {
-  void* p = nullptr;
-  explicit AlignedBuffer(int64_t bytes) {
-    if (posix_memalign(&p, 64, std::max<int64_t>(bytes, 64))) p = nullptr;
-    TORCH_CHECK(p != nullptr, "out of memory for a ", bytes, "-byte buffer");
-  }
-  ~AlignedBuffer() { free(p); }
-  AlignedBuffer(const AlignedBuffer&) = delete;
-  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-};
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 

@@ -110,6 +110,45 @@ def test_paged_decode_attention(dtype, heads, kv_heads, head_dim):
     _close(got, K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, head_dim**-0.5), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (6, 2, 48)])
+def test_chunk_rows_match_each_row_alone(dtype, heads, kv_heads, head_dim):
+    """A prefill chunk's rows (one table, lengths rising by one) are computed in groups that share each key
+    and value as it is widened; every row must still come out bit-identical to the same row sent alone,
+    beside an unrelated decode or in another order, and within rounding of the reference. Past the chunk's
+    last key the cache is poisoned, so a row that read a key it must not see would turn NaN."""
+    g = torch.Generator().manual_seed(7)
+    blocks, bs, n, ctx = 48, 16, 37, 213  # 37 rows: groups of the kernel's size and a ragged last group
+    k_cache = torch.randn(blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    pages = -(-ctx // bs)
+    table = torch.randperm(blocks - 1, generator=g)[:pages].to(torch.int32) + 1
+    k_cache[table[-1], ctx % bs :], v_cache[table[-1], ctx % bs :] = float("nan"), float("nan")
+    k_cache[0], v_cache[0] = float("nan"), float("nan")  # the table's padding entries
+    width = pages + 2
+    tables = torch.zeros(n, width, dtype=torch.int32)
+    tables[:, :pages] = table
+    lens = torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int32)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    chunk = K.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    assert torch.isfinite(chunk.float()).all()
+    for i in range(n):
+        alone = K.paged_decode_attention(
+            q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], scale
+        )
+        assert torch.equal(alone[0], chunk[i]), f"row {i} differs when computed alone"
+    # The same rows reversed (no two neighbours share a length order) and after an unrelated decode.
+    rev = K.paged_decode_attention(q.flip(0), k_cache, v_cache, tables.flip(0), lens.flip(0), scale)
+    assert torch.equal(rev.flip(0), chunk)
+    other = torch.zeros(1, width, dtype=torch.int32)
+    other[0, :2] = table[:2]
+    mixed = K.paged_decode_attention(torch.cat([q[:1], q]), k_cache, v_cache, torch.cat([other, tables]),
+                                     torch.cat([torch.tensor([20], dtype=torch.int32), lens]), scale)  # fmt: skip
+    assert torch.equal(mixed[1:], chunk)
+    _close(chunk, K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale), dtype)
+
+
 def test_paged_decode_attention_refuses_bad_tables():
     k_cache = torch.zeros(4, 16, 1, 64)
     q = torch.zeros(1, 2, 64)
