@@ -725,12 +725,15 @@ void tile(const act_t* x, const Weights& w, int64_t n0, const act_t* wp, float* 
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = mac(acc[r][c], x + r * K + k, wv[c]);
   }
-  alignas(64) float lane[16];
+  // The R x 4 sums at once: reduce16's tree is lane_tree's (lanes j + 8, j + 4, j + 2, j + 1), so each
+  // output has the same bits as summed alone, for a fifth of the work (K = 576 takes only 18 multiply
+  // steps per output, and a scalar tree per output cost about as much again).
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < 4 * R ? acc[i / 4][i % 4] : _mm512_setzero_ps();
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(v));
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) {
-      _mm512_store_ps(lane, acc[r][c]);
-      out[r * out_stride + c] = lane_tree(lane);
-    }
+    for (int c = 0; c < 4; ++c) out[r * out_stride + c] = sums[r * 4 + c];
 }
 
 // Rows t .. T-1 of 4 columns, 4 rows at a time then the rest.
