@@ -29,11 +29,12 @@ from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import Trace
 
 
-def warm_up(url: str, trace: Trace, args) -> None:
-    """A few requests so first-call costs (allocator, kernels) do not land in the first measured run."""
+def warm_up(url: str, trace: Trace, args, text_prompts=None, logprobs: bool = True) -> None:
+    """A few requests so first-call costs (allocator, kernels) do not land in the first measured run; the
+    peer gets the same, so that neither side's first search run pays for its start."""
     # no shared prefixes here: the measured runs start from an empty prefix cache
     wl = workload_of(replace(trace, sharing=None), args, 2.0, num_requests=4, seed=args.seed + 999)
-    bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False)
+    bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False, text_prompts=text_prompts, logprobs=logprobs)
 
 
 def search_target(
@@ -186,6 +187,8 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
         results[entry]["simulated"] = simulated(policy, budget, trace, args, slos, slo, caching)
     if args.peer_url:
         log(f"peer {args.peer_url}")
+        text_prompts = load_text_prompts() if args.peer_text_prompts else None
+        warm_up(args.peer_url, trace, args, text_prompts=text_prompts, logprobs=not args.peer_no_logprobs)
         results["peer"] = {
             "measured": search_target(
                 "peer",
@@ -195,7 +198,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
                 slos,
                 slo,
                 log,
-                text_prompts=load_text_prompts() if args.peer_text_prompts else None,
+                text_prompts=text_prompts,
                 logprobs=not args.peer_no_logprobs,
             ),
             "url": args.peer_url,
