@@ -50,10 +50,16 @@ def search_target(
 ) -> dict:
     """Capacity search against one server, for every TBT SLO, from one shared set of runs."""
 
+    runs = 0
+
     def evaluate(qps: float) -> dict:
+        nonlocal runs
+        runs += 1
         wl = workload_of(trace, args, qps)
         if name != "peer":
             reset_prefix_cache(url)
+        # A peer's prompt cache cannot be emptied: its text prompts are new words on every run instead.
+        texts = replace(text_prompts, salt=runs) if text_prompts is not None else None
         t0 = time.time()
         s, records = bench_once(
             url,
@@ -62,7 +68,7 @@ def search_target(
             model=args.model_name,
             logprobs=logprobs,
             desc=f"{name} @ {qps:.3g} qps",
-            text_prompts=text_prompts,
+            text_prompts=texts,
         )
         s["wall_s"] = time.time() - t0
         s["attainment"] = {str(t): slo_attainment(records, slo.ttft, t) for t in slos}

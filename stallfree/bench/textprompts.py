@@ -26,6 +26,11 @@ class TextPrompts:
     words: tuple[str, ...]
     eos_id: int | None
     tokenizer: object  # stallfree.engine.model.tokenizer.Tokenizer
+    # NOTE: a capacity search replays one workload at several loads. A peer's prompt cache (llama-server
+    # keeps every slot's prompt in host RAM, --cache-ram) would serve the second run's prompts from the
+    # first's, and we cannot empty it as we empty our own (/admin/v1/reset_prefix_cache): each run takes
+    # its own salt, so no run's prompt was ever sent before.
+    salt: int = 0
 
     @classmethod
     def from_gguf(cls, path: str | Path | None = None) -> TextPrompts:
@@ -51,7 +56,7 @@ class TextPrompts:
 
     def text(self, index: int, length: int, seed: int = 0) -> str:
         """`length` tokens of text for request `index`; exact for this tokenizer (checked)."""
-        rng = np.random.default_rng([seed, 3, index])
+        rng = np.random.default_rng([seed, 3, index] if self.salt == 0 else [seed, 3, index, self.salt])
         picks = rng.integers(0, len(self.words), size=length)
         out = "".join(self.words[k] for k in picks)
         n = len(self.tokenizer.encode(out, add_special_tokens=False))  # type: ignore[attr-defined]

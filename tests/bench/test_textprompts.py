@@ -36,3 +36,19 @@ def test_body_becomes_text_with_eos_banned(tp):
     assert body["logit_bias"] == {str(tp.eos_id): -100}
     assert "ignore_eos" not in body and "min_tokens" not in body
     assert body["max_tokens"] == 9 and body["stream"] is True
+
+
+def test_each_salt_is_a_new_set_of_prompts(tp):
+    """A capacity search gives every run its own salt, so a peer's prompt cache (which we cannot empty)
+    never holds a prompt from an earlier run; salt 0 keeps the prompts recorded before salts existed."""
+    from dataclasses import replace
+
+    runs = [replace(tp, salt=s) for s in range(4)]
+    texts = [[r.text(i, 40, seed=0) for i in range(8)] for r in runs]
+    assert texts[0] == [tp.text(i, 40, seed=0) for i in range(8)]
+    firsts = [{t.split(" ")[1] for t in run} for run in texts]
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not set(texts[a]) & set(texts[b])
+            assert len(firsts[a] & firsts[b]) <= 2  # no run shares the prefixes of another
+    assert all(len(tp.tokenizer.encode(t, add_special_tokens=False)) == 40 for run in texts for t in run)
