@@ -1,0 +1,115 @@
+"""The first requests after readiness against the later ones: does a fresh server meet its SLOs at once?
+
+    python -m experiments.warm_start [--qps 1] [--num-requests 240] [--window 120] [--seeds 0,1,2]
+        [--peer-url URL [--peer-text-prompts]] [--out results/warm-start]
+
+For each seed a fresh `stallfree serve` (sarathi, --token-budget, --threads) is started and, as soon as it
+answers /ready, sent --num-requests requests of the capacity protocol's workload (ShareGPT lengths x --scale,
+<= --max-output-tokens out, Poisson at --qps, seeded) with no warm-up request of any kind. Reported per seed:
+the share of requests that meet TTFT <= --slo-ttft and their own P99 TBT <= --slo-tbt among the first
+--window requests and among the rest, and their median TBT. With --peer-url the same workload (first seed)
+goes to that server too; start it fresh just before, since this command cannot restart it.
+
+Output: a table on the terminal and warm_start.json in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from stallfree.bench import cli as bench_cli
+from stallfree.bench.launcher import ServerProcess, ServerSpec
+from stallfree.bench.metrics import SLO, RequestRecord, slo_attainment
+from stallfree.bench.serve_cmd import bench_once, load_text_prompts
+from stallfree.bench.simulate import load_workload_trace, workload_of
+from stallfree.engine.serve_cli import resolve_load_format
+
+
+def window_figures(records: list[RequestRecord], window: int, slo: SLO) -> dict:
+    """Attainment and median gap between tokens of the first `window` requests (by arrival) and the rest."""
+    ordered = sorted(records, key=lambda r: r.index)
+    out = {}
+    for name, part in (("first", ordered[:window]), ("rest", ordered[window:])):
+        gaps = [g for r in part for g in r.tbts]
+        out[name] = {
+            "requests": len(part),
+            "attainment": slo_attainment(part, slo.ttft, slo.tbt),
+            "median_tbt_s": statistics.median(gaps) if gaps else None,
+            "ok": sum(1 for r in part if r.outcome == "ok"),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate (default %(default)s)")
+    ap.add_argument("--num-requests", type=int, default=240, help="requests per server (default %(default)s)")
+    ap.add_argument("--window", type=int, default=120, help="the first requests, compared with the rest")
+    ap.add_argument("--seeds", default="0,1,2", help="request samples, one fresh server each")
+    ap.add_argument("--trace", default="sharegpt")
+    ap.add_argument("--scale", type=float, default=0.25)
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    ap.add_argument("--slo-ttft", type=float, default=5.0, help="seconds (default %(default)s)")
+    ap.add_argument("--slo-tbt", type=float, default=0.5, help="each request's P99 TBT, seconds")
+    ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-url", default=None, help="also send the first seed's workload to this server")
+    ap.add_argument("--peer-text-prompts", action="store_true", help="prompts as text (llama.cpp's server)")
+    ap.add_argument("--out", default="results/warm-start")
+    a = ap.parse_args(argv)
+    if not 0 < a.window < a.num_requests:
+        ap.error("need 0 < --window < --num-requests")
+    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    # The capacity command's own workload options, so the requests are the protocol's.
+    args = bench_cli.build_parser().parse_args(
+        [
+            "capacity",
+            "--trace",
+            a.trace,
+            "--scale",
+            str(a.scale),
+            "--max-output-tokens",
+            str(a.max_output_tokens),
+            "--num-requests",
+            str(a.num_requests),
+            "--threads",
+            str(a.threads),
+        ]  # fmt: skip
+    )
+    trace = load_workload_trace(args)
+    model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+    slo = SLO(ttft=a.slo_ttft, tbt=a.slo_tbt)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for seed in seeds:
+        wl = workload_of(trace, args, a.qps, seed=seed)
+        spec = ServerSpec(
+            token_budget=a.token_budget, model=model, load_format=load_format, threads=a.threads
+        )
+        with ServerProcess(spec, out / f"server-s{seed}.log") as server:
+            _, records = bench_once(server.url, wl, slo, desc=f"stallfree seed {seed}")
+        results[f"stallfree-s{seed}"] = window_figures(records, a.window, slo)
+    if a.peer_url:
+        wl = workload_of(trace, args, a.qps, seed=seeds[0])
+        text = load_text_prompts() if a.peer_text_prompts else None
+        _, records = bench_once(a.peer_url, wl, slo, logprobs=False, text_prompts=text, desc="peer")
+        results[f"peer-s{seeds[0]}"] = window_figures(records, a.window, slo)
+    print(f"\n{a.num_requests} requests at {a.qps} QPS from readiness; first {a.window} vs the rest")
+    for name, r in results.items():
+        f, rest = r["first"], r["rest"]
+        print(
+            f"{name:16s} first: {f['attainment']:6.1%} (median TBT {f['median_tbt_s'] or 0:.3f} s)   "
+            f"rest: {rest['attainment']:6.1%} (median TBT {rest['median_tbt_s'] or 0:.3f} s)"
+        )
+    (out / "warm_start.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
+    print(f"wrote {out / 'warm_start.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
