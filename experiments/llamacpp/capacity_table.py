@@ -70,6 +70,14 @@ def merge(searches: list[dict], attainment: float) -> list[dict]:
     return list(merged.values())
 
 
+def display(label: str) -> str:
+    """The plot's name for a folder label: sf -> stallfree, npN[bB] -> llama-server -np N [-b B]."""
+    match = re.fullmatch(r"np(\d+)(?:b(\d+))?", label)
+    if match:
+        return f"llama-server -np {match.group(1)}" + (f" -b {match.group(2)}" if match.group(2) else "")
+    return "stallfree sarathi@256" if label == "sf" else label
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="folders holding capacity.json")
@@ -112,15 +120,17 @@ def main(argv: list[str] | None = None) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.ticker  # noqa: PLC0415
 
         fig, ax = plt.subplots(figsize=(7, 4.2))
         colours = {label: f"C{i}" for i, label in enumerate(labels)}
         for s in searches:
             ax.plot([r["qps"] for r in s["runs"]], [r["attainment"] for r in s["runs"]], "o-",
                     color=colours[s["label"]], alpha=0.8,
-                    label=s["label"] if s is labels[s["label"]][0] else None)  # fmt: skip
+                    label=display(s["label"]) if s is labels[s["label"]][0] else None)  # fmt: skip
         ax.axhline(a.attainment, color="grey", ls="--", lw=1)
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_xlabel("QPS (Poisson)")
         ax.set_ylabel("SLO attainment")
         ax.set_ylim(-0.02, 1.02)

@@ -1,7 +1,7 @@
 """Where a CPU iteration with a prefill chunk riding along spends its time: ops by self time (torch.profiler).
 
     python -m experiments.llamacpp.hybrid_profile [--decodes 8] [--chunk 256] [--context 256]
-        [--prompt 1024] [--iterations 3] [--threads 2] [--out FILE.json]
+        [--prompt 2048] [--iterations 3] [--threads 2] [--out FILE.json]
 
 --decodes requests with --context-token prompts are brought to decode, then a --prompt-token request
 arrives, so each of the next iterations is those decodes plus a --chunk-token chunk of it (token budget
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         "--context", type=int, default=256, help="prompt tokens of each decode (default %(default)s)"
     )
     ap.add_argument(
-        "--prompt", type=int, default=1024, help="the arriving prompt's tokens (default %(default)s)"
+        "--prompt", type=int, default=2048, help="the arriving prompt's tokens (default %(default)s)"
     )
     ap.add_argument("--iterations", type=int, default=3, help="iterations timed, then as many profiled")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
