@@ -23,7 +23,7 @@ from pathlib import Path
 
 from stallfree.bench import cli as bench_cli
 from stallfree.bench.launcher import ServerProcess, ServerSpec
-from stallfree.bench.metrics import SLO, RequestRecord, slo_attainment
+from stallfree.bench.metrics import OK, SLO, RequestRecord, slo_attainment
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts
 from stallfree.bench.simulate import load_workload_trace, workload_of
 from stallfree.engine.serve_cli import resolve_load_format
@@ -39,7 +39,7 @@ def window_figures(records: list[RequestRecord], window: int, slo: SLO) -> dict:
             "requests": len(part),
             "attainment": slo_attainment(part, slo.ttft, slo.tbt),
             "median_tbt_s": statistics.median(gaps) if gaps else None,
-            "ok": sum(1 for r in part if r.outcome == "ok"),
+            "ok": sum(1 for r in part if r.outcome == OK),
         }
     return out
 

@@ -3,11 +3,12 @@
     python -m experiments.llamacpp.capacity_table RUN_DIR... [--slo-tbt 0.5] [--out FILE.json] [--plot FILE.png]
 
 Each RUN_DIR is the --out of one `stallfree bench capacity` search (ours with --policies, or the peer's with
---peer-url). A folder named `LABEL-sSEED[-...]` is shown as LABEL with that request sample. Printed: every
-search's capacity with its bracket and every run (QPS -> attainment, median and P99 gap between tokens,
-median TTFT); folders of the same label and sample (a search, then a single run at a lower QPS) are merged,
-and a sample's capacity is its highest passing QPS below its lowest failing one (0: it failed at every run,
-so its capacity is below the lowest). Then per label the median capacity over its samples. The plot shows attainment against QPS, one line per search.
+--peer-url). A folder named `LABEL-sSEED[-...]` is shown as LABEL with that request sample. Folders of the same label
+and sample (a search, then a single run at a lower QPS) are merged, and a sample's capacity is its highest
+passing QPS below its lowest failing one (0: it failed at every run, so its capacity is below the lowest).
+Printed: every sample's capacity and runs (QPS -> attainment, median and P99 gap between tokens, median
+TTFT), then per label the median capacity over its samples. The plot shows attainment against QPS, one
+line per sample.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import re
 import statistics
 from pathlib import Path
 
+from stallfree.bench.report import pyplot
+
 
 def load_search(folder: Path, slo_tbt: str) -> dict:
-    """One search: its server, capacity, bracket and runs (sorted by QPS)."""
+    """One search folder: its label, request sample, server and runs (sorted by QPS)."""
     data = json.loads((folder / "capacity.json").read_text())
     (server, result), *rest = data["results"].items()
     if rest:
         raise SystemExit(f"{folder}: one server per search expected, found {len(rest) + 1}")
-    measured = result["measured"]
-    found = measured["by_tbt_slo"][slo_tbt]
     runs = []
-    for qps, run in sorted(measured["runs"].items(), key=lambda kv: float(kv[0])):
+    for qps, run in sorted(result["measured"]["runs"].items(), key=lambda kv: float(kv[0])):
         runs.append(
             {
                 "qps": float(qps),
@@ -46,8 +47,6 @@ def load_search(folder: Path, slo_tbt: str) -> dict:
         "label": label,
         "seed": seed,
         "server": server,
-        "capacity_qps": found["capacity_qps"],
-        "bracket": found.get("final_bracket") or found.get("bracket"),
         "runs": runs,
     }
 
@@ -57,7 +56,10 @@ def merge(searches: list[dict], attainment: float) -> list[dict]:
     single run at a lower QPS, say), its capacity the highest passing QPS below the lowest failing one."""
     merged: dict[tuple[str, int], dict] = {}
     for s in searches:
-        m = merged.setdefault((s["label"], s["seed"]), {**s, "folders": [], "runs": []})
+        m = merged.setdefault(
+            (s["label"], s["seed"]),
+            {"label": s["label"], "seed": s["seed"], "server": s["server"], "folders": [], "runs": []},
+        )
         m["folders"].append(s["folder"])
         m["runs"] = sorted(m["runs"] + s["runs"], key=lambda r: r["qps"])
     for m in merged.values():
@@ -66,7 +68,6 @@ def merge(searches: list[dict], attainment: float) -> list[dict]:
         passed = [r["qps"] for r in m["runs"] if r["attainment"] >= attainment]
         below = [q for q in passed if m["fails_at"] is None or q < m["fails_at"]]
         m["capacity_qps"] = max(below) if below else 0.0
-        del m["folder"], m["bracket"]
     return list(merged.values())
 
 
@@ -116,11 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"attainment": a.attainment, "searches": searches, "labels": summary}, indent=1)
         )
     if a.plot:
-        import matplotlib  # noqa: PLC0415 - only for the plot
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-        import matplotlib.ticker  # noqa: PLC0415
+        plt = pyplot()
+        import matplotlib.ticker  # noqa: PLC0415 - only for the plot, after pyplot() chose its backend
 
         fig, ax = plt.subplots(figsize=(7, 4.2))
         colours = {label: f"C{i}" for i, label in enumerate(labels)}
