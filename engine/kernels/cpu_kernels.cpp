@@ -613,35 +613,54 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 // ---- linear layers: one GEMM for every row count ---------------------------------------------------
 
-// y (T, N) = x (T, K) W^T with W held compactly: int4 in groups of 32 along K (Q4_1-style blocks: w =
-// code * scale + min, the 32 codes of a group in 16 bytes, byte j holding codes j (low nibble) and j + 16
-// (high)), int8 with one scale per output row (w = code * scale), or bf16.
+// y (T, N) = x (T, K) W^T with W held compactly: int4 in groups of 32 along K (Q4_1-style: w = code * scale
+// + min per group, codes 0..15), int8 with one scale per output row (stored as code + 128 in 0..255, so w =
+// code * scale - 128 * scale, the same form with one scale and min for the whole row), or bf16.
 //
-// NOTE: same request, same answer. Every output y[t, n] is one fixed sequence of operations: the weights
-// of column n widened the same way whatever the batch, 16 float32 lanes where lane j accumulates its share
-// of k in ascending order, then the lanes summed in a fixed tree. How many rows share the call only changes
-// which rows are computed together, never how one row is, so a token's logits do not depend on its batch,
-// its chunk or a prefix-cache hit (the kernels this replaces switched to another GEMM by row count, and the
-// two rounded differently).
+// NOTE: same request, same answer. Every output y[t, n] is one fixed sequence of operations whatever the
+// batch: how many rows share the call only changes which rows are computed together, never how one row is,
+// so a token's logits do not depend on its batch, its chunk or a prefix-cache hit (the kernels this replaced
+// switched to another GEMM by row count, and the two rounded differently).
 //
-// Two instruction sets, one per machine (the build is -march=native, so a machine always uses the same):
-// - AVX512-BF16 (the default on CPUs that have it): weights widened to float32 and rounded once to bf16,
-//   multiplied with the bf16 activations by vdpbf16ps (lane j adds the products of k = 32s + 2j, 32s + 2j
-//   + 1 for s = 0, 1, ...): twice the multiply rate of float32 FMAs and half the bytes;
-// - otherwise float32 FMAs on the bf16 activations (lane j adds k = j, j + 16, ...).
-// Speed: the weights are read once per call for all rows (activations batched). Few rows (<= kDirectRows)
-// multiply straight from the compact weights; more rows share a widened panel of CB columns that stays in
-// L2 while every row passes over it in 4 x 4 register tiles. Both give the same bits.
+// int4 and int8 (the default CPU mode): integer dot products, as llama.cpp's Q4_1 x Q8_1. Each row of x is
+// quantized per group of 32 (dx = max |x| / 127, xq = round(x / dx) in -127..127, the same for a row
+// whatever else is in the batch); the products code x xq are summed exactly in int32 (AVX512-VNNI's
+// vpdpbusd adds four u8 x s8 products per lane); then, per group, float32: y += isum * (scale * dx), and
+// at the end y += sum over groups of min * (dx * sum xq). The integer sums are exact, so only the float
+// steps round, in one fixed order per output:
+// - K is padded to Kp (a multiple of 64) with zero codes, zero scales and zero activations;
+// - the groups come in blocks: Kp / 256 blocks of 8 groups, then blocks of 2 groups. In a block of 8, lane
+//   j (of 16) holds group j / 2's codes 16 (j % 2) .. + 15 over 4 vpdpbusd steps (4 codes a step); in a
+//   block of 2, lane j holds group j / 8's codes 4 (j % 8) .. + 3 in one step. The codes and the quantized
+//   activations are stored in this lane order (pack_weights below), so a step is one 64-byte vector;
+// - lane j's float accumulator adds, block after block, float(its int32 sum) x (its group's scale x dx),
+//   one FMA per block; then, 16 groups at a time in ascending order, min[g] x (dx_g x sum xq_g), one FMA
+//   per lane; then the 16 lanes are summed in reduce16's tree.
+// gemm_q_scalar spells the same operations out one lane at a time (the path for CPUs without AVX512-VNNI,
+// and the reference the tests hold the vector path to, bit for bit).
+//
+// bf16 weights: widened to float32 and multiplied with the bf16 activations by vdpbf16ps (AVX512-BF16;
+// float32 FMAs without it), 16 lanes each adding its share of k in ascending order, then the same tree.
 
 enum WeightKind : int64_t { kQ4 = 0, kQ8 = 1, kBF16 = 2 };
 
-struct Weights {
-  int64_t kind, K;
-  const uint8_t* q4;      // (N, K / 2)
-  const int8_t* q8;       // (N, K)
-  const uint16_t* bf16;   // (N, K)
-  const float* scale;     // (N, K / 32) for int4, (N,) for int8
-  const float* minv;      // (N, K / 32) for int4
+// Where the GEMMs put y[t, n]: plus the bias, rounded once to the output's dtype.
+struct Out {
+  void* p;
+  at::ScalarType type;
+  const float* bias;  // (N,) or nullptr
+  int64_t N;
+  void put(int64_t t, int64_t n, float v) const {
+    if (bias) v += bias[n];
+    const int64_t i = t * N + n;
+    if (type == at::kBFloat16) {
+      static_cast<at::BFloat16*>(p)[i] = at::BFloat16(v);
+    } else if (type == at::kHalf) {
+      static_cast<at::Half*>(p)[i] = at::Half(v);
+    } else {
+      static_cast<float*>(p)[i] = v;
+    }
+  }
 };
 
 inline float lane_tree(const float* lane) {
@@ -652,9 +671,352 @@ inline float lane_tree(const float* lane) {
   return l[0];
 }
 
+// The lane order of a padded row of Kp codes: nb8 blocks of 8 groups (4 steps each), then nb2 of 2 groups
+// (1 step each); a step is 64 bytes, 4 per lane.
+struct QShape {
+  int64_t K, Kp, groups, nb8, nb2, steps;
+  explicit QShape(int64_t k)
+      : K(k), Kp((k + 63) / 64 * 64), groups(Kp / 32), nb8(Kp / 256), nb2((Kp % 256) / 64), steps(Kp / 64) {}
+  int64_t blocks() const { return nb8 + nb2; }
+  // The block of a step, and the group (0..groups-1) whose codes lane j of that step holds.
+  int64_t block_of(int64_t step) const { return step < 4 * nb8 ? step / 4 : nb8 + (step - 4 * nb8); }
+  int64_t group_of(int64_t step, int64_t j) const {
+    return step < 4 * nb8 ? (step / 4) * 8 + j / 2 : 8 * nb8 + 2 * (step - 4 * nb8) + j / 8;
+  }
+  // The k of byte e (0..3) of lane j in a step.
+  int64_t k_of(int64_t step, int64_t j, int64_t e) const {
+    if (step < 4 * nb8) return group_of(step, j) * 32 + 16 * (j % 2) + 4 * (step % 4) + e;
+    return group_of(step, j) * 32 + 4 * (j % 8) + e;
+  }
+  // Bytes of one column's packed int4 codes: in a block of 8, steps 0 and 1 share 64 bytes (low and high
+  // nibbles of byte b), as do steps 2 and 3; in a block of 2, the step's bytes b and b + 32 share byte b.
+  int64_t q4_bytes() const { return Kp / 2; }
+};
+
+// The codes (N, K) uint8 in lane order: int4 (bits 4, codes 0..15) -> (N, Kp / 2), int8 (bits 8) -> (N, Kp).
+at::Tensor pack_weights(const at::Tensor& codes, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes must be uint8 (N, K)");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const at::Tensor c = codes.contiguous();
+  const int64_t N = c.size(0);
+  const QShape q(c.size(1));
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  at::Tensor out = at::zeros({N, bits == 4 ? q.q4_bytes() : q.Kp}, c.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const int64_t ob = out.size(1);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t s = 0; s < q.steps; ++s) {
+      for (int64_t b = 0; b < 64; ++b) {
+        const int64_t k = q.k_of(s, b / 4, b % 4);
+        const uint8_t v = k < q.K ? cp[n * q.K + k] : 0;
+        if (bits == 8) {
+          op[n * ob + s * 64 + b] = v;
+        } else {
+          TORCH_CHECK(v < 16, "int4 codes must be 0..15");
+          int64_t byte;
+          int shift;
+          if (s < 4 * q.nb8) {  // block of 8: steps 2i and 2i + 1 share 64 bytes
+            byte = (s / 4) * 128 + ((s % 4) / 2) * 64 + b;
+            shift = (s % 2) * 4;
+          } else {  // block of 2: bytes b and b + 32 of the step share byte b
+            byte = q.nb8 * 128 + (s - 4 * q.nb8) * 32 + b % 32;
+            shift = (b / 32) * 4;
+          }
+          op[n * ob + byte] |= static_cast<uint8_t>(v << shift);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// pack_weights undone: (N, K) uint8 codes.
+at::Tensor unpack_weights(const at::Tensor& packed, int64_t bits, int64_t K) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "packed must be uint8 (N, bytes)");
+  const QShape q(K);
+  TORCH_CHECK(packed.size(1) == (bits == 4 ? q.q4_bytes() : q.Kp), "packed has ", packed.size(1),
+              " bytes per row, not the lane order of K=", K);
+  const at::Tensor p = packed.contiguous();
+  const int64_t N = p.size(0), ib = p.size(1);
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({N, K}, p.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t s = 0; s < q.steps; ++s)
+      for (int64_t b = 0; b < 64; ++b) {
+        const int64_t k = q.k_of(s, b / 4, b % 4);
+        if (k >= K) continue;
+        if (bits == 8) {
+          op[n * K + k] = pp[n * ib + s * 64 + b];
+        } else if (s < 4 * q.nb8) {
+          op[n * K + k] = (pp[n * ib + (s / 4) * 128 + ((s % 4) / 2) * 64 + b] >> ((s % 2) * 4)) & 15;
+        } else {
+          op[n * K + k] = (pp[n * ib + q.nb8 * 128 + (s - 4 * q.nb8) * 32 + b % 32] >> ((b / 32) * 4)) & 15;
+        }
+      }
+  return out;
+}
+
+// Rows of x quantized per group of 32, in lane order: xq (T, Kp) int8; dxl (T, blocks, 16): each lane's
+// group's dx; xs (T, G16): dx_g x sum of the group's xq, G16 = groups rounded up to 16, zeros after. The
+// buffers are the calling thread's, reused from call to call (a call is tens of microseconds at one row,
+// and three tensor allocations were a fifth of it).
+struct QActs {
+  const int8_t* xq;
+  const float* dxl;
+  const float* xs;
+  int64_t g16;
+};
+
+struct QScratch {
+  std::vector<int8_t> xq;
+  std::vector<float> dxl, xs;
+  int64_t lanes_k = -1;                   // the K the tables below are for
+  std::vector<int32_t> src, lane_group;  // word i of a row holds codes src[i] ..; lane i's group
+};
+
+// One group of 32 values: xq = round-to-nearest-even(v x (127 / amax)) into dst, returns the sum of xq;
+// *dx = amax / 127. Exact integer results and two float roundings, the same on either branch.
+inline int32_t quantize_group(const float* v, int8_t* dst, float* dx) {
+#ifdef __AVX512F__
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  // cvtps_epi32 rounds to nearest even (the default rounding mode, as std::nearbyint below)
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
+  *dx = amax / 127.f;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+  float amax = 0.f;
+  for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(v[e]));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int e = 0; e < 32; ++e) {
+    const int32_t c = static_cast<int32_t>(std::nearbyint(v[e] * id));
+    dst[e] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  *dx = amax / 127.f;
+  return sum;
+#endif
+}
+
+QActs quantize_rows(const at::Tensor& x, const QShape& q) {
+  const int64_t T = x.size(0), G16 = (q.groups + 15) / 16 * 16, NB = q.blocks();
+  thread_local QScratch buf;
+  buf.xq.resize(T * q.Kp);
+  buf.dxl.resize(T * NB * 16);
+  buf.xs.resize(T * G16);
+  if (buf.lanes_k != q.K) {
+    buf.src.resize(q.Kp / 4);
+    buf.lane_group.resize(NB * 16);
+    for (int64_t s = 0; s < q.steps; ++s)
+      for (int64_t j = 0; j < 16; ++j) {
+        buf.src[s * 16 + j] = static_cast<int32_t>(q.k_of(s, j, 0));
+        buf.lane_group[q.block_of(s) * 16 + j] = static_cast<int32_t>(q.group_of(s, j));
+      }
+    buf.lanes_k = q.K;
+  }
+  int8_t* xq = buf.xq.data();
+  float* dxl = buf.dxl.data();
+  float* xs = buf.xs.data();
+  const int32_t* src = buf.src.data();
+  const int32_t* lane_group = buf.lane_group.data();
+  QActs a{xq, dxl, xs, G16};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(q.Kp), [&](int64_t begin, int64_t end) {
+      std::vector<float> v(q.Kp, 0.f), dx(q.groups);
+      std::vector<int8_t> row(q.Kp);
+      for (int64_t t = begin; t < end; ++t) {
+        load_row(xp + t * q.K, v.data(), q.K);  // the padding after K stays 0
+        for (int64_t g = 0; g < q.groups; ++g)
+          xs[t * G16 + g] =
+              static_cast<float>(quantize_group(v.data() + g * 32, row.data() + g * 32, &dx[g]));
+        for (int64_t g = 0; g < q.groups; ++g) xs[t * G16 + g] *= dx[g];
+        for (int64_t g = q.groups; g < G16; ++g) xs[t * G16 + g] = 0.f;
+        int32_t* words = reinterpret_cast<int32_t*>(xq + t * q.Kp);
+        for (int64_t i = 0; i < q.Kp / 4; ++i) std::memcpy(&words[i], row.data() + src[i], 4);
+        for (int64_t i = 0; i < NB * 16; ++i) dxl[t * NB * 16 + i] = dx[lane_group[i]];
+      }
+    });
+  });
+  return a;
+}
+
+// The int4 / int8 weights as the kernels read them. scale and min: (N, groups) with group stride gs = 1
+// (int4), or one per column with gs = 0 (int8).
+struct QWeights {
+  QShape q;
+  int64_t bits, col_bytes, gs;
+  const uint8_t* codes;
+  const float* scale;
+  const float* minv;
+  float scale_of(int64_t n, int64_t g) const { return gs ? scale[n * q.groups + g] : scale[n]; }
+  float min_of(int64_t n, int64_t g) const { return gs ? minv[n * q.groups + g] : minv[n]; }
+  // The code of byte b of step s of column n.
+  int32_t code(int64_t n, int64_t s, int64_t b) const {
+    const uint8_t* c = codes + n * col_bytes;
+    if (bits == 8) return c[s * 64 + b];
+    if (s < 4 * q.nb8) return (c[(s / 4) * 128 + ((s % 4) / 2) * 64 + b] >> ((s % 2) * 4)) & 15;
+    return (c[q.nb8 * 128 + (s - 4 * q.nb8) * 32 + b % 32] >> ((b / 32) * 4)) & 15;
+  }
+};
+
+// One lane at a time: the operations the vector path does, in its order.
+void gemm_q_scalar(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& op) {
+  const QShape& q = w.q;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t t = 0; t < T; ++t) {
+        const int8_t* xq = a.xq + t * q.Kp;
+        float acc[16] = {0.f};
+        for (int64_t s = 0; s < q.steps;) {
+          const int64_t blk = q.block_of(s), ns = s < 4 * q.nb8 ? 4 : 1;
+          for (int j = 0; j < 16; ++j) {
+            int32_t isum = 0;
+            for (int64_t u = s; u < s + ns; ++u)
+              for (int e = 0; e < 4; ++e) isum += w.code(n, u, 4 * j + e) * xq[u * 64 + 4 * j + e];
+            const float f = w.scale_of(n, q.group_of(s, j)) * a.dxl[(t * q.blocks() + blk) * 16 + j];
+            acc[j] = std::fma(static_cast<float>(isum), f, acc[j]);
+          }
+          s += ns;
+        }
+        for (int64_t g0 = 0; g0 < a.g16; g0 += 16)
+          for (int j = 0; j < 16; ++j) {
+            const float m = g0 + j < q.groups || !w.gs ? w.min_of(n, std::min(g0 + j, q.groups - 1)) : 0.f;
+            acc[j] = std::fma(m, a.xs[t * a.g16 + g0 + j], acc[j]);
+          }
+        op.put(t, n, lane_tree(acc));
+      }
+  });
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+// Step s's 64 codes of column n (codes 0..255) as one vector; two steps of a block of 8 at once.
+inline void codes_pair(const QWeights& w, int64_t n, int64_t blk, int64_t half, __m512i& a, __m512i& b) {
+  const uint8_t* c = w.codes + n * w.col_bytes;
+  if (w.bits == 8) {
+    a = _mm512_loadu_si512(c + (blk * 4 + half * 2) * 64);
+    b = _mm512_loadu_si512(c + (blk * 4 + half * 2 + 1) * 64);
+    return;
+  }
+  const __m512i p = _mm512_loadu_si512(c + blk * 128 + half * 64);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  a = _mm512_and_si512(p, lo4);
+  b = _mm512_and_si512(_mm512_srli_epi16(p, 4), lo4);
+}
+
+inline __m512i codes_single(const QWeights& w, int64_t n, int64_t b2) {
+  const uint8_t* c = w.codes + n * w.col_bytes;
+  if (w.bits == 8) return _mm512_loadu_si512(c + (4 * w.q.nb8 + b2) * 64);
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + w.q.nb8 * 128 + b2 * 32));
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(p, lo4)),
+                            _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4), 1);
+}
+
+// Each lane's group scale in a block: 8 groups two lanes each, or 2 groups eight lanes each.
+inline __m512 scale_lanes(const QWeights& w, int64_t n, int64_t blk) {
+  if (!w.gs) return _mm512_set1_ps(w.scale[n]);
+  if (blk < w.q.nb8) {
+    const __m512 s = _mm512_castps256_ps512(_mm256_loadu_ps(w.scale + n * w.q.groups + blk * 8));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), s);
+  }
+  const __m512 s = _mm512_maskz_loadu_ps(0x3, w.scale + n * w.q.groups + 8 * w.q.nb8 + 2 * (blk - w.q.nb8));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), s);
+}
+
+// R rows x 4 columns: every output is gemm_q_scalar's sequence of operations, 16 lanes at a time.
+template <int R>
+void q_tile(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out& op) {
+  const QShape& q = w.q;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int8_t* x0 = a.xq + t0 * q.Kp;
+  const float* d0 = a.dxl + t0 * q.blocks() * 16;
+  for (int64_t blk = 0; blk < q.nb8; ++blk) {
+    for (int c = 0; c < 4; ++c) {
+      __m512i v0, v1, v2, v3;
+      codes_pair(w, n0 + c, blk, 0, v0, v1);
+      codes_pair(w, n0 + c, blk, 1, v2, v3);
+      const __m512 sl = scale_lanes(w, n0 + c, blk);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = x0 + r * q.Kp + blk * 256;
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(x));
+        s = _mm512_dpbusd_epi32(s, v1, _mm512_loadu_si512(x + 64));
+        s = _mm512_dpbusd_epi32(s, v2, _mm512_loadu_si512(x + 128));
+        s = _mm512_dpbusd_epi32(s, v3, _mm512_loadu_si512(x + 192));
+        const __m512 f = _mm512_mul_ps(sl, _mm512_loadu_ps(d0 + (r * q.blocks() + blk) * 16));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[r][c]);
+      }
+    }
+  }
+  for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
+    const int64_t blk = q.nb8 + b2;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = codes_single(w, n0 + c, b2);
+      const __m512 sl = scale_lanes(w, n0 + c, blk);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = x0 + r * q.Kp + (4 * q.nb8 + b2) * 64;
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(x));
+        const __m512 f = _mm512_mul_ps(sl, _mm512_loadu_ps(d0 + (r * q.blocks() + blk) * 16));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[r][c]);
+      }
+    }
+  }
+  for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
+    const __mmask16 live = g0 + 16 <= q.groups ? 0xFFFF : (g0 < q.groups ? (1u << (q.groups - g0)) - 1 : 0);
+    for (int c = 0; c < 4; ++c) {
+      const __m512 m = w.gs ? _mm512_maskz_loadu_ps(live, w.minv + (n0 + c) * q.groups + g0)
+                            : _mm512_set1_ps(w.minv[n0 + c]);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm512_fmadd_ps(m, _mm512_loadu_ps(a.xs + (t0 + r) * a.g16 + g0), acc[r][c]);
+    }
+  }
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < 4 * R ? acc[i / 4][i % 4] : _mm512_setzero_ps();
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(v));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) op.put(t0 + r, n0 + c, sums[r * 4 + c]);
+}
+
+// Tasks of 16 columns; in a task, tiles of 4 rows pass over the 16 columns' codes (in L1) in turn.
+void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& op) {
+  constexpr int64_t CB = 16;
+  at::parallel_for(0, (N + CB - 1) / CB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * CB, n1 = std::min(N, n0 + CB);
+      for (int64_t t = 0; t < T; t += 4) {
+        const int64_t rt = std::min<int64_t>(4, T - t);
+        for (int64_t n = n0; n < n1; n += 4) {
+          if (rt == 4) q_tile<4>(a, w, t, n, op);
+          if (rt == 3) q_tile<3>(a, w, t, n, op);
+          if (rt == 2) q_tile<2>(a, w, t, n, op);
+          if (rt == 1) q_tile<1>(a, w, t, n, op);
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+// ---- bf16 weights ----
+
+struct Weights {
+  int64_t K;
+  const uint16_t* bf16;  // (N, K)
+};
+
 // Rows up to which the weights are widened in registers per row tile instead of into a shared panel.
 constexpr int64_t kDirectRows = 8;
-
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
@@ -663,28 +1025,9 @@ using act_t = uint16_t;
 constexpr int64_t kStep = 32;
 using wvec_t = __m512bh;
 
-// Weights k .. k + 31 (k a multiple of 32) of column n: widened to float32, then rounded to bf16.
 inline __m512bh widen_step(const Weights& w, int64_t n, int64_t k) {
-  const int64_t K = w.K;
-  if (w.kind == kQ4) {
-    const int64_t g = k / 32;
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + n * (K / 2) + g * 16));
-    const __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-    const __m512 s = _mm512_set1_ps(w.scale[n * (K / 32) + g]), m = _mm512_set1_ps(w.minv[n * (K / 32) + g]);
-    const __m512 wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
-    const __m512 wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
-    return _mm512_cvtne2ps_pbh(wh, wl);  // elements 0..15 from wl (k..k+15), 16..31 from wh
-  }
-  if (w.kind == kQ8) {  // |code| <= 127 is exact in bf16
-    const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k));
-    const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k + 16));
-    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
-                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)));
-  }
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w.bf16 + n * K + k));
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w.bf16 + n * w.K + k));
 }
-
 inline void store_step(act_t* dst, __m512bh v) { _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(v)); }
 inline __m512bh load_w(const act_t* src) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(src)); }
 inline __m512 mac(__m512 acc, const act_t* x, __m512bh wv) {
@@ -699,20 +1042,7 @@ using wvec_t = __m512;
 
 // Weights k .. k + 15 (k a multiple of 16) of column n as float32.
 inline __m512 widen_step(const Weights& w, int64_t n, int64_t k) {
-  const int64_t K = w.K;
-  if (w.kind == kQ4) {
-    const int64_t g = k / 32;
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q4 + n * (K / 2) + g * 16));
-    const __m128i codes = (k % 32) ? _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))
-                                   : _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)),
-                           _mm512_set1_ps(w.scale[n * (K / 32) + g]), _mm512_set1_ps(w.minv[n * (K / 32) + g]));
-  }
-  if (w.kind == kQ8) {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q8 + n * K + k));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
-  }
-  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.bf16 + n * K + k));
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.bf16 + n * w.K + k));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
 }
 
@@ -729,10 +1059,10 @@ void widen_column(const Weights& w, int64_t n, act_t* dst) {
   for (int64_t k = 0; k < w.K; k += kStep) store_step(dst + k, widen_step(w, n, k));
 }
 
-// R rows x 4 columns. Direct: the weights widened in registers from the compact form; else from a panel
+// R rows x 4 columns. Direct: the weights read in registers from the weight matrix; else from a panel
 // (4 columns at stride K). The same operations either way.
 template <int R, bool kDirect>
-void tile(const act_t* x, const Weights& w, int64_t n0, const act_t* wp, float* out, int64_t out_stride) {
+void tile(const act_t* x, const Weights& w, int64_t t0, int64_t n0, const act_t* wp, const Out& op) {
   const int64_t K = w.K;
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -744,33 +1074,32 @@ void tile(const act_t* x, const Weights& w, int64_t n0, const act_t* wp, float* 
       for (int c = 0; c < 4; ++c) acc[r][c] = mac(acc[r][c], x + r * K + k, wv[c]);
   }
   // The R x 4 sums at once: reduce16's tree is lane_tree's (lanes j + 8, j + 4, j + 2, j + 1), so each
-  // output has the same bits as summed alone, for a fifth of the work (K = 576 takes only 18 multiply
-  // steps per output, and a scalar tree per output cost about as much again).
+  // output has the same bits as summed alone, for a fifth of the work.
   __m512 v[16];
   for (int i = 0; i < 16; ++i) v[i] = i < 4 * R ? acc[i / 4][i % 4] : _mm512_setzero_ps();
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(v));
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) out[r * out_stride + c] = sums[r * 4 + c];
+    for (int c = 0; c < 4; ++c) op.put(t0 + r, n0 + c, sums[r * 4 + c]);
 }
 
 // Rows t .. T-1 of 4 columns, 4 rows at a time then the rest.
 template <bool kDirect>
-void rows(const act_t* xp, const Weights& w, int64_t T, int64_t n0, const act_t* wp, float* op, int64_t N) {
+void rows(const act_t* xp, const Weights& w, int64_t t0, int64_t T, int64_t n0, const act_t* wp, const Out& op) {
   const int64_t K = w.K;
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) tile<4, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  int64_t t = t0;
+  for (; t + 4 <= T; t += 4) tile<4, kDirect>(xp + t * K, w, t, n0, wp, op);
   const int64_t left = T - t;
-  if (left == 3) tile<3, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
-  if (left == 2) tile<2, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
-  if (left == 1) tile<1, kDirect>(xp + t * K, w, n0, wp, op + t * N + n0, N);
+  if (left == 3) tile<3, kDirect>(xp + t * K, w, t, n0, wp, op);
+  if (left == 2) tile<2, kDirect>(xp + t * K, w, t, n0, wp, op);
+  if (left == 1) tile<1, kDirect>(xp + t * K, w, t, n0, wp, op);
 }
 
-void gemm(const act_t* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+void gemm_bf16(const act_t* xp, const Weights& w, int64_t T, int64_t N, const Out& op) {
   const int64_t K = w.K;
   if (T <= kDirectRows) {
     at::parallel_for(0, N / 4, std::max<int64_t>(1, 8192 / K), [&](int64_t begin, int64_t end) {
-      for (int64_t cb = begin; cb < end; ++cb) rows<true>(xp, w, T, cb * 4, nullptr, op, N);
+      for (int64_t cb = begin; cb < end; ++cb) rows<true>(xp, w, 0, T, cb * 4, nullptr, op);
     });
     return;
   }
@@ -784,8 +1113,8 @@ void gemm(const act_t* xp, const Weights& w, int64_t T, int64_t N, float* op) {
       for (int64_t c = 0; c < nc; ++c) widen_column(w, n0 + c, pp + c * K);
       // A tile of 4 rows (in L1) passes over the whole panel (in L2) before the next rows come in.
       for (int64_t t = 0; t < T; t += 4) {
-        const int64_t rt = std::min<int64_t>(4, T - t);
-        for (int64_t c = 0; c < nc; c += 4) rows<false>(xp + t * K, w, rt, n0 + c, pp + c * K, op + t * N, N);
+        const int64_t t1 = std::min<int64_t>(t + 4, T);
+        for (int64_t c = 0; c < nc; c += 4) rows<false>(xp, w, t, t1, n0 + c, pp + c * K, op);
       }
     }
   });
@@ -794,28 +1123,20 @@ void gemm(const act_t* xp, const Weights& w, int64_t T, int64_t N, float* op) {
 #else
 
 // Without AVX-512: float32 FMAs lane by lane, in the order of the float32 AVX-512 path.
-void gemm_scalar(const float* xp, const Weights& w, int64_t T, int64_t N, float* op) {
+void gemm_bf16_scalar(const float* xp, const Weights& w, int64_t T, int64_t N, const Out& op) {
   const int64_t K = w.K;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> col(K);
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t k = 0; k < K; ++k) {
-        if (w.kind == kQ4) {
-          const uint8_t b = w.q4[n * (K / 2) + (k / 32) * 16 + (k % 16)];
-          const float code = static_cast<float>((k % 32) < 16 ? (b & 15) : (b >> 4));
-          col[k] = std::fma(code, w.scale[n * (K / 32) + k / 32], w.minv[n * (K / 32) + k / 32]);
-        } else if (w.kind == kQ8) {
-          col[k] = static_cast<float>(w.q8[n * K + k]);
-        } else {
-          const uint32_t bits = static_cast<uint32_t>(w.bf16[n * K + k]) << 16;
-          std::memcpy(&col[k], &bits, 4);
-        }
+        const uint32_t bits = static_cast<uint32_t>(w.bf16[n * K + k]) << 16;
+        std::memcpy(&col[k], &bits, 4);
       }
       for (int64_t t = 0; t < T; ++t) {
         float lane[16] = {0.f};
         for (int64_t k = 0; k < K; k += 16)
           for (int j = 0; j < 16; ++j) lane[j] = std::fma(xp[t * K + k + j], col[k + j], lane[j]);
-        op[t * N + n] = lane_tree(lane);
+        op.put(t, n, lane_tree(lane));
       }
     }
   });
@@ -823,51 +1144,82 @@ void gemm_scalar(const float* xp, const Weights& w, int64_t T, int64_t N, float*
 
 #endif
 
-at::Tensor packed_linear(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const at::Tensor& scale,
-                         const at::Tensor& minv, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+// The int4 / int8 weights of a packed_linear call, checked.
+QWeights q_weights(int64_t kind, int64_t K, int64_t N, const at::Tensor& weight, const at::Tensor& scale,
+                   const at::Tensor& minv) {
+  QWeights w{QShape(K), kind == kQ4 ? 4 : 8, 0, kind == kQ4 ? 1 : 0, nullptr, nullptr, nullptr};
+  w.col_bytes = kind == kQ4 ? w.q.q4_bytes() : w.q.Kp;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) == w.col_bytes,
+              kind == kQ4 ? "int4" : "int8", " weight must be uint8 (N, ", w.col_bytes,
+              ") in pack_weights' lane order, got ", weight.sizes());
+  const int64_t per = kind == kQ4 ? N * w.q.groups : N;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && minv.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  minv.is_contiguous() && scale.numel() == per && minv.numel() == per,
+              "scale and min must be contiguous float32 with ", per, " values (",
+              kind == kQ4 ? "(N, padded K / 32)" : "(N,)", ")");
+  w.codes = weight.data_ptr<uint8_t>();
+  w.scale = scale.data_ptr<float>();
+  w.minv = minv.data_ptr<float>();
+  return w;
+}
+
+at::Tensor linear_impl(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const at::Tensor& scale,
+                       const at::Tensor& minv, const c10::optional<at::Tensor>& bias, int64_t out_features,
+                       bool scalar) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2, "packed_linear needs x (T, K), got ", x.sizes());
   const int64_t T = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % 32 == 0 && N % 4 == 0, "packed_linear needs K % 32 == 0 and N % 4 == 0, got K=", K,
               " N=", N);
-  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == N, "weight must be contiguous with ", N, " rows");
-  Weights w{kind, K, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (kind == kQ4) {
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) == K / 2, "int4 weight must be uint8 (N, K/2)");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && minv.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                    minv.is_contiguous() && scale.numel() == N * (K / 32) && minv.numel() == N * (K / 32),
-                "int4 scale and min must be contiguous float32 (N, K/32)");
-    w.q4 = weight.data_ptr<uint8_t>();
-    w.scale = scale.data_ptr<float>();
-    w.minv = minv.data_ptr<float>();
-  } else if (kind == kQ8) {
-    TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == K, "int8 weight must be int8 (N, K)");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
-                "int8 scale must be contiguous float32 (N,)");
-    w.q8 = weight.data_ptr<int8_t>();
-    w.scale = scale.data_ptr<float>();
-  } else {
-    TORCH_CHECK(kind == kBF16, "unknown weight kind ", kind);
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(1) == K, "bf16 weight must be (N, K)");
-    w.bf16 = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  }
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == N, "weight must be contiguous with ",
+              N, " rows");
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,)");
   }
-  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const at::Tensor xa = x.to(at::kBFloat16).contiguous();  // (T, K) bf16
-  gemm(reinterpret_cast<const act_t*>(xa.data_ptr<at::BFloat16>()), w, T, N, out.data_ptr<float>());
-#elif defined(__AVX512F__)
-  const at::Tensor xa = x.to(at::kFloat).contiguous();  // (T, K) float32
-  gemm(xa.data_ptr<float>(), w, T, N, out.data_ptr<float>());
-#else
-  const at::Tensor xa = x.to(at::kFloat).contiguous();
-  gemm_scalar(xa.data_ptr<float>(), w, T, N, out.data_ptr<float>());
+  at::Tensor out = at::empty({T, N}, x.options());
+  at::Tensor b32;
+  if (bias) b32 = bias->to(at::kFloat).contiguous();
+  const Out op{out.data_ptr(), x.scalar_type(), bias ? b32.data_ptr<float>() : nullptr, N};
+  if (kind == kQ4 || kind == kQ8) {
+    const QWeights w = q_weights(kind, K, N, weight, scale, minv);
+    const QActs a = quantize_rows(x.contiguous(), w.q);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (!scalar) {
+      gemm_q(a, w, T, N, op);
+    } else
 #endif
-  if (kind == kQ8) out.mul_(scale.view({1, N}));
-  if (bias) out.add_(bias->to(at::kFloat).view({1, N}));
-  return out.to(x.scalar_type());
+    {
+      gemm_q_scalar(a, w, T, N, op);
+    }
+  } else {
+    TORCH_CHECK(kind == kBF16, "unknown weight kind ", kind);
+    TORCH_CHECK(!scalar, "the scalar reference covers the int4 and int8 kinds");
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(1) == K, "bf16 weight must be (N, K)");
+    const Weights w{K, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>())};
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const at::Tensor xa = x.to(at::kBFloat16).contiguous();  // (T, K) bf16
+    gemm_bf16(reinterpret_cast<const act_t*>(xa.data_ptr<at::BFloat16>()), w, T, N, op);
+#elif defined(__AVX512F__)
+    const at::Tensor xa = x.to(at::kFloat).contiguous();  // (T, K) float32
+    gemm_bf16(xa.data_ptr<float>(), w, T, N, op);
+#else
+    const at::Tensor xa = x.to(at::kFloat).contiguous();
+    gemm_bf16_scalar(xa.data_ptr<float>(), w, T, N, op);
+#endif
+  }
+  return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, int64_t kind, const at::Tensor& weight, const at::Tensor& scale,
+                         const at::Tensor& minv, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return linear_impl(x, kind, weight, scale, minv, bias, out_features, false);
+}
+
+// gemm_q_scalar whatever the CPU: the reference tests hold packed_linear's int4 / int8 path to, bit for bit.
+at::Tensor packed_linear_scalar(const at::Tensor& x, int64_t kind, const at::Tensor& weight,
+                                const at::Tensor& scale, const at::Tensor& minv,
+                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return linear_impl(x, kind, weight, scale, minv, bias, out_features, true);
 }
 
 }  // namespace
@@ -883,6 +1235,11 @@ TORCH_LIBRARY(stallfree_cpu, m) {
   m.def(
       "packed_linear(Tensor x, int kind, Tensor weight, Tensor scale, Tensor minv, Tensor? bias, "
       "int out_features) -> Tensor");
+  m.def(
+      "packed_linear_scalar(Tensor x, int kind, Tensor weight, Tensor scale, Tensor minv, Tensor? bias, "
+      "int out_features) -> Tensor");
+  m.def("pack_weights(Tensor codes, int bits) -> Tensor");
+  m.def("unpack_weights(Tensor packed, int bits, int K) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
@@ -892,4 +1249,7 @@ TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_scalar", &packed_linear_scalar);
+  m.impl("pack_weights", &pack_weights);
+  m.impl("unpack_weights", &unpack_weights);
 }

@@ -5,9 +5,11 @@ read the weights from memory (fp32: 540 MB per iteration for the 135M default mo
 hundreds of rows is compute-bound. `PackedLinear` keeps each weight once, compactly (int4 in groups of 32
 along the input with a float32 scale and min each, as GGUF's Q4_1 blocks; int8 with one scale per output
 channel; or bf16), and multiplies every row count with the same C++ kernel (`packed_linear` in
-engine/kernels/cpu_kernels.cpp): the weights are read once per call for all rows and widened to float32,
-the rows (bf16 activations) are multiplied in float32 with a fixed reduction order, and the result is
-rounded once to bf16.
+engine/kernels/cpu_kernels.cpp), which reads the weights once per call for all rows. int4 and int8 run as
+llama.cpp's Q4_1 x Q8_1 does: each row of activations is quantized to int8 per group of 32 (a scale per
+group), the code x activation products are summed exactly in int32 (AVX512-VNNI), and each group's sum is
+scaled and added in float32 in a fixed order; bf16 weights multiply the bf16 activations in float32, also
+in a fixed order. The result is rounded once to bf16.
 
 NOTE: same request, same answer. A row's output is the same bits whether it runs alone, in a chunk of
 hundreds, beside other requests or after a prefix-cache hit; the layers this replaces switched from a
@@ -15,7 +17,7 @@ weight-only kernel to oneDNN's bf16 matmul above a few rows, and the two round d
 request could get another answer (tests/engine/test_same_answer.py holds the engine to it).
 
 Where the C++ kernels cannot be built (no compiler) the layer falls back to float32 torch matmuls on the
-dequantized weights, which compute the same products but make no promise about the order of the sums.
+dequantized weights with unquantized activations, which make no promise about the order of the sums.
 
 NOTE: for a GGUF whose linear weights are Q4_1 (the bundled model), int4 re-derives the file's own blocks:
 llama.cpp sets a block's min to its smallest weight and its step to (max - min) / 15, so the dequantized
@@ -69,13 +71,6 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return codes, scale
 
 
-def pack_int4(codes: Tensor) -> Tensor:
-    """(N, K) codes 0..15 -> (N, K/2) uint8: per group of 32, byte j holds code j (low nibble) and j + 16."""
-    n, k = codes.shape
-    c = codes.to(torch.uint8).view(n, k // INT4_GROUP, 2, INT4_GROUP // 2)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) for x (T, K) -> (T, N) bf16, with W held as described in the module docstring."""
 
@@ -83,32 +78,45 @@ class PackedLinear(nn.Module):
         super().__init__()
         validate_quantization(quantization)
         self.quantization = quantization
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = n, k = weight.shape
         w = weight.detach().float()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.ops = _kernels()  # torch.ops.stallfree_cpu, or None
         none = torch.zeros(0)
         if quantization == "int4":
             codes, scale, zero = quantize_int4(w)
             lo = zero - 8 * scale  # the block's min: w = code * scale + min
-            self.packed, self.scale, self.minv = pack_int4(codes), scale.contiguous(), lo.contiguous()
+            grid = (codes.view(n, -1, INT4_GROUP) * scale[..., None] + lo[..., None]).view(n, k)
+            pad = _padded(k) // INT4_GROUP - scale.shape[1]  # the kernel's zero groups up to K's multiple of 64
+            self.scale, self.minv = F.pad(scale, (0, pad)).contiguous(), F.pad(lo, (0, pad)).contiguous()
+            codes_u8, bits = codes.to(torch.uint8), 4
         elif quantization == "int8":
             codes8, scale8 = quantize_int8(w)
-            self.packed, self.scale, self.minv = codes8.contiguous(), scale8.contiguous(), none
+            grid = codes8.float() * scale8[:, None]
+            # stored as code + 128 (0..255): w = stored * scale + min, min = -128 * scale
+            self.scale, self.minv = scale8.contiguous(), (-128.0 * scale8).contiguous()
+            codes_u8, bits = (codes8.to(torch.int16) + 128).to(torch.uint8), 8
         else:
-            self.packed, self.scale, self.minv = w.bfloat16().contiguous(), none, none
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.ops = _kernels()  # torch.ops.stallfree_cpu, or None
-        # (N, K) float32 where the kernels are missing, see the module docstring
-        self.fallback = None if self.ops is not None else self.dequantized()
+            grid, self.scale, self.minv = w.bfloat16().float(), none, none
+        if self.ops is None:  # the fallback multiplies by the float32 grid, see the module docstring
+            self.packed, self.fallback = none, grid
+        else:
+            self.fallback = None
+            self.packed = (
+                self.ops.pack_weights(codes_u8, bits) if quantization != "none" else w.bfloat16().contiguous()
+            )  # int4 / int8 codes in the kernel's lane order
 
     def dequantized(self) -> Tensor:
         """The weight the layer multiplies by, (N, K) float32."""
+        if self.fallback is not None:
+            return self.fallback
         n, k = self.out_features, self.in_features
         if self.quantization == "int4":
-            p = self.packed.view(n, k // INT4_GROUP, INT4_GROUP // 2)
-            codes = torch.cat([p & 15, p >> 4], dim=-1).float()  # (N, K/g, g)
-            return (codes * self.scale[..., None] + self.minv[..., None]).view(n, k)
+            groups = k // INT4_GROUP
+            codes = self.ops.unpack_weights(self.packed, 4, k).float().view(n, groups, INT4_GROUP)
+            return (codes * self.scale[:, :groups, None] + self.minv[:, :groups, None]).view(n, k)
         if self.quantization == "int8":
-            return self.packed.float() * self.scale[:, None]
+            return (self.ops.unpack_weights(self.packed, 8, k).float() - 128) * self.scale[:, None]
         return self.packed.float()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -122,6 +130,11 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, quantization={self.quantization}"
+
+
+def _padded(k: int) -> int:
+    """K rounded up to the kernel's multiple of 64 (QShape in cpu_kernels.cpp)."""
+    return (k + 63) // 64 * 64
 
 
 def _kernels():

@@ -13,7 +13,8 @@ import torch
 from engine_helpers import first_logits_and_greedy, prompt_ids
 
 import stallfree.engine.model_runner as runner_mod
-from stallfree.engine.model.cpu_linear import PackedLinear, quantize_int4
+from stallfree.engine.kernels import cpu_fused
+from stallfree.engine.model.cpu_linear import KIND, PackedLinear, quantize_int4
 from stallfree.engine.model.loader import load_model
 
 ATOL = {"none": 1.0, "int4": 1.0}
@@ -35,13 +36,17 @@ def test_int4_recovers_q4_1_blocks():
     torch.testing.assert_close(zero, m + 8 * d, rtol=1e-5, atol=1e-7)
 
 
+# K = 128: two blocks of 2 groups; 576 (the default model's hidden size): two blocks of 8 groups and one of
+# 2; 96: padded to 128 with a zero group.
+@pytest.mark.parametrize("k", [128, 576, 96])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_packed_linear_matches_its_weights_for_every_row_count(quantization):
-    """One row at a time, 16 at once and 37 at once (the register path and the panel path) all compute
-    x W_q^T, W_q the quantized W, and give each row the same bits (same request, same answer)."""
+def test_packed_linear_matches_its_weights_for_every_row_count(quantization, k):
+    """One row at a time, 16 at once and 37 at once all compute x W_q^T, W_q the quantized W (int4 / int8:
+    with the activations quantized to int8 per group of 32, hence the tolerance), and give each row the
+    same bits (same request, same answer)."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(96, 128, generator=g) * 0.05
-    x = torch.randn(37, 128, generator=g).bfloat16()
+    w = torch.randn(96, k, generator=g) * 0.05
+    x = torch.randn(37, k, generator=g).bfloat16()
     lin = PackedLinear(w, None, quantization)
     ref = x.float() @ lin.dequantized().T  # (37, 96)
     many = lin(x)
@@ -55,8 +60,36 @@ def test_packed_linear_matches_its_weights_for_every_row_count(quantization):
         assert ((x.float() @ w.T) - ref).abs().max().item() / scale_out > 1e-3
     if quantization == "int4":  # and it is the Q4_1 grid: codes 0..15 times a step plus a min per 32
         codes, scale, zero = quantize_int4(w)
-        grid = (codes.view(96, 4, 32) * scale[..., None] + (zero - 8 * scale)[..., None]).view(96, 128)
+        grid = (codes.view(96, k // 32, 32) * scale[..., None] + (zero - 8 * scale)[..., None]).view(96, k)
         torch.testing.assert_close(lin.dequantized(), grid, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [128, 576, 96, 1536])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_integer_gemm_is_its_scalar_reference_bit_for_bit(quantization, k):
+    """The vector path (AVX512-VNNI where the CPU has it) and the one-lane-at-a-time reference, which is
+    also the path of CPUs without it, do the same operations in the same order: the same bits, bias
+    included."""
+    ops = cpu_fused.load()
+    g = torch.Generator().manual_seed(2)
+    lin = PackedLinear(torch.randn(64, k, generator=g) * 0.05, torch.randn(64, generator=g), quantization)
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        args = (KIND[quantization], lin.packed, lin.scale, lin.minv, lin.bias, 64)
+        assert torch.equal(ops.packed_linear(x, *args), ops.packed_linear_scalar(x, *args)), (rows, k)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lane_order_packing_round_trips(bits):
+    ops = cpu_fused.load()
+    g = torch.Generator().manual_seed(3)
+    for k in (64, 96, 256, 576, 1536):
+        codes = torch.randint(0, 2**bits, (8, k), generator=g).to(torch.uint8)
+        packed = ops.pack_weights(codes, bits)
+        assert packed.shape == (8, (k + 63) // 64 * 64 * bits // 8)
+        assert torch.equal(ops.unpack_weights(packed, bits, k), codes), k
+    with pytest.raises(RuntimeError, match="0..15"):
+        ops.pack_weights(torch.full((1, 64), 16, dtype=torch.uint8), 4)
 
 
 @pytest.fixture(scope="module", params=["none", "int4"])
