@@ -64,6 +64,10 @@ def test_packed_linear_matches_its_weights_for_every_row_count(quantization, k):
         torch.testing.assert_close(lin.dequantized(), grid, rtol=0, atol=1e-6)
 
 
+needs_kernels = pytest.mark.skipif(not cpu_fused.available(), reason="no C++ compiler here for the CPU kernels")
+
+
+@needs_kernels
 @pytest.mark.parametrize("k", [128, 576, 96, 1536])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_integer_gemm_is_its_scalar_reference_bit_for_bit(quantization, k):
@@ -79,6 +83,7 @@ def test_integer_gemm_is_its_scalar_reference_bit_for_bit(quantization, k):
         assert torch.equal(ops.packed_linear(x, *args), ops.packed_linear_scalar(x, *args)), (rows, k)
 
 
+@needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
 def test_lane_order_packing_round_trips(bits):
     ops = cpu_fused.load()
