@@ -931,21 +931,24 @@ inline __m512 scale_lanes(const QWeights& w, int64_t n, int64_t blk) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), s);
 }
 
-// R rows x 4 columns: every output is gemm_q_scalar's sequence of operations, 16 lanes at a time.
-template <int R>
+// R rows x C columns (R x C <= 16 accumulators): every output is gemm_q_scalar's sequence of operations,
+// 16 lanes at a time, whatever the tile's shape.
+template <int R, int C>
 void q_tile(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out& op) {
   const QShape& q = w.q;
-  __m512 acc[R][4];
+  __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int8_t* x0 = a.xq + t0 * q.Kp;
   const float* d0 = a.dxl + t0 * q.blocks() * 16;
   for (int64_t blk = 0; blk < q.nb8; ++blk) {
-    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
       __m512i v0, v1, v2, v3;
       codes_pair(w, n0 + c, blk, 0, v0, v1);
       codes_pair(w, n0 + c, blk, 1, v2, v3);
       const __m512 sl = scale_lanes(w, n0 + c, blk);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* x = x0 + r * q.Kp + blk * 256;
         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(x));
@@ -959,9 +962,11 @@ void q_tile(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out
   }
   for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
     const int64_t blk = q.nb8 + b2;
-    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
       const __m512i v = codes_single(w, n0 + c, b2);
       const __m512 sl = scale_lanes(w, n0 + c, blk);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* x = x0 + r * q.Kp + (4 * q.nb8 + b2) * 64;
         const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(x));
@@ -972,19 +977,21 @@ void q_tile(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out
   }
   for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
     const __mmask16 live = g0 + 16 <= q.groups ? 0xFFFF : (g0 < q.groups ? (1u << (q.groups - g0)) - 1 : 0);
-    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
       const __m512 m = w.gs ? _mm512_maskz_loadu_ps(live, w.minv + (n0 + c) * q.groups + g0)
                             : _mm512_set1_ps(w.minv[n0 + c]);
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         acc[r][c] = _mm512_fmadd_ps(m, _mm512_loadu_ps(a.xs + (t0 + r) * a.g16 + g0), acc[r][c]);
     }
   }
   __m512 v[16];
-  for (int i = 0; i < 16; ++i) v[i] = i < 4 * R ? acc[i / 4][i % 4] : _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i) v[i] = i < C * R ? acc[i / C][i % C] : _mm512_setzero_ps();
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(v));
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) op.put(t0 + r, n0 + c, sums[r * 4 + c]);
+    for (int c = 0; c < C; ++c) op.put(t0 + r, n0 + c, sums[r * C + c]);
 }
 
 // Tasks of 16 columns; in a task, tiles of 4 rows pass over the 16 columns' codes (in L1) in turn.
@@ -995,11 +1002,17 @@ void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& 
       const int64_t n0 = task * CB, n1 = std::min(N, n0 + CB);
       for (int64_t t = 0; t < T; t += 4) {
         const int64_t rt = std::min<int64_t>(4, T - t);
-        for (int64_t n = n0; n < n1; n += 4) {
-          if (rt == 4) q_tile<4>(a, w, t, n, op);
-          if (rt == 3) q_tile<3>(a, w, t, n, op);
-          if (rt == 2) q_tile<2>(a, w, t, n, op);
-          if (rt == 1) q_tile<1>(a, w, t, n, op);
+        // One reduce16 per 16 outputs: 1 x 16 and 2 x 8 tiles for the last rows where the columns allow.
+        int64_t n = n0;
+        if (rt == 1)
+          for (; n + 16 <= n1; n += 16) q_tile<1, 16>(a, w, t, n, op);
+        if (rt == 2)
+          for (; n + 8 <= n1; n += 8) q_tile<2, 8>(a, w, t, n, op);
+        for (; n < n1; n += 4) {
+          if (rt == 4) q_tile<4, 4>(a, w, t, n, op);
+          if (rt == 3) q_tile<3, 4>(a, w, t, n, op);
+          if (rt == 2) q_tile<2, 4>(a, w, t, n, op);
+          if (rt == 1) q_tile<1, 4>(a, w, t, n, op);
         }
       }
     }
