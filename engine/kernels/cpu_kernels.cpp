@@ -931,63 +931,61 @@ inline __m512 scale_lanes(const QWeights& w, int64_t n, int64_t blk) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), s);
 }
 
-// R rows x C columns (R x C <= 16 accumulators): every output is gemm_q_scalar's sequence of operations,
-// 16 lanes at a time, whatever the tile's shape.
+// R rows x C columns (R x C <= 16 outputs): every output is gemm_q_scalar's sequence of operations, 16
+// lanes at a time, whatever the tile's shape. A column at a time (its R accumulators in registers: with all
+// R x C live the compiler spilled them), its codes read in order, then one reduce16 for the tile.
 template <int R, int C>
 void q_tile(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out& op) {
   const QShape& q = w.q;
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const int8_t* x0 = a.xq + t0 * q.Kp;
   const float* d0 = a.dxl + t0 * q.blocks() * 16;
-  for (int64_t blk = 0; blk < q.nb8; ++blk) {
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
+  __m512 v[16];
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = n0 + c;
+    __m512 acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < q.nb8; ++blk) {
       __m512i v0, v1, v2, v3;
-      codes_pair(w, n0 + c, blk, 0, v0, v1);
-      codes_pair(w, n0 + c, blk, 1, v2, v3);
-      const __m512 sl = scale_lanes(w, n0 + c, blk);
+      codes_pair(w, n, blk, 0, v0, v1);
+      codes_pair(w, n, blk, 1, v2, v3);
+      const __m512 sl = scale_lanes(w, n, blk);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* x = x0 + r * q.Kp + blk * 256;
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_loadu_si512(x));
+        const __m512i z = _mm512_setzero_si512();
+        // two chains of exact integer sums (their grouping cannot change the result): half the latency of one
+        __m512i s = _mm512_dpbusd_epi32(z, v0, _mm512_loadu_si512(x));
+        __m512i u = _mm512_dpbusd_epi32(z, v2, _mm512_loadu_si512(x + 128));
         s = _mm512_dpbusd_epi32(s, v1, _mm512_loadu_si512(x + 64));
-        s = _mm512_dpbusd_epi32(s, v2, _mm512_loadu_si512(x + 128));
-        s = _mm512_dpbusd_epi32(s, v3, _mm512_loadu_si512(x + 192));
+        u = _mm512_dpbusd_epi32(u, v3, _mm512_loadu_si512(x + 192));
+        s = _mm512_add_epi32(s, u);
         const __m512 f = _mm512_mul_ps(sl, _mm512_loadu_ps(d0 + (r * q.blocks() + blk) * 16));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[r][c]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[r]);
       }
     }
-  }
-  for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
-    const int64_t blk = q.nb8 + b2;
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const __m512i v = codes_single(w, n0 + c, b2);
-      const __m512 sl = scale_lanes(w, n0 + c, blk);
+    for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
+      const int64_t blk = q.nb8 + b2;
+      const __m512i cv = codes_single(w, n, b2);
+      const __m512 sl = scale_lanes(w, n, blk);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int8_t* x = x0 + r * q.Kp + (4 * q.nb8 + b2) * 64;
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(x));
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cv, _mm512_loadu_si512(x));
         const __m512 f = _mm512_mul_ps(sl, _mm512_loadu_ps(d0 + (r * q.blocks() + blk) * 16));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[r][c]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[r]);
       }
     }
-  }
-  for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
-    const __mmask16 live = g0 + 16 <= q.groups ? 0xFFFF : (g0 < q.groups ? (1u << (q.groups - g0)) - 1 : 0);
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const __m512 m = w.gs ? _mm512_maskz_loadu_ps(live, w.minv + (n0 + c) * q.groups + g0)
-                            : _mm512_set1_ps(w.minv[n0 + c]);
+    for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
+      const __mmask16 live = g0 + 16 <= q.groups ? 0xFFFF : (g0 < q.groups ? (1u << (q.groups - g0)) - 1 : 0);
+      const __m512 m = w.gs ? _mm512_maskz_loadu_ps(live, w.minv + n * q.groups + g0) : _mm512_set1_ps(w.minv[n]);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        acc[r][c] = _mm512_fmadd_ps(m, _mm512_loadu_ps(a.xs + (t0 + r) * a.g16 + g0), acc[r][c]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(a.xs + (t0 + r) * a.g16 + g0), acc[r]);
     }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) v[r * C + c] = acc[r];
   }
-  __m512 v[16];
-  for (int i = 0; i < 16; ++i) v[i] = i < C * R ? acc[i / C][i % C] : _mm512_setzero_ps();
+  for (int i = R * C; i < 16; ++i) v[i] = _mm512_setzero_ps();
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(v));
   for (int r = 0; r < R; ++r)
