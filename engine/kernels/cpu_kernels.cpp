@@ -625,9 +625,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // int4 and int8 (the default CPU mode): integer dot products, as llama.cpp's Q4_1 x Q8_1. Each row of x is
 // quantized per group of 32 (dx = max |x| / 127, xq = round(x / dx) in -127..127, the same for a row
 // whatever else is in the batch); the products code x xq are summed exactly in int32 (AVX512-VNNI's
-// vpdpbusd adds four u8 x s8 products per lane); then, per group, float32: y += isum * (scale * dx), and
-// at the end y += sum over groups of min * (dx * sum xq). The integer sums are exact, so only the float
-// steps round, in one fixed order per output:
+// vpdpbusd adds four u8 x s8 products per lane; in any grouping, as integers); then, per group, float32:
+// y += isum * (scale * dx), and at the end y += sum over groups of min * (dx * sum xq). The integer sums
+// are exact, so only the float steps round, in one fixed order per output:
 // - K is padded to Kp (a multiple of 64) with zero codes, zero scales and zero activations;
 // - the groups come in blocks: Kp / 256 blocks of 8 groups, then blocks of 2 groups. In a block of 8, lane
 //   j (of 16) holds group j / 2's codes 16 (j % 2) .. + 15 over 4 vpdpbusd steps (4 codes a step); in a
