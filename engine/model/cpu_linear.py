@@ -87,7 +87,8 @@ class PackedLinear(nn.Module):
             codes, scale, zero = quantize_int4(w)
             lo = zero - 8 * scale  # the block's min: w = code * scale + min
             grid = (codes.view(n, -1, INT4_GROUP) * scale[..., None] + lo[..., None]).view(n, k)
-            pad = _padded(k) // INT4_GROUP - scale.shape[1]  # the kernel's zero groups up to K's multiple of 64
+            # the kernel's zero groups up to K's multiple of 64
+            pad = _padded(k) // INT4_GROUP - scale.shape[1]
             self.scale, self.minv = F.pad(scale, (0, pad)).contiguous(), F.pad(lo, (0, pad)).contiguous()
             codes_u8, bits = codes.to(torch.uint8), 4
         elif quantization == "int8":

@@ -64,7 +64,9 @@ def test_packed_linear_matches_its_weights_for_every_row_count(quantization, k):
         torch.testing.assert_close(lin.dequantized(), grid, rtol=0, atol=1e-6)
 
 
-needs_kernels = pytest.mark.skipif(not cpu_fused.available(), reason="no C++ compiler here for the CPU kernels")
+needs_kernels = pytest.mark.skipif(
+    not cpu_fused.available(), reason="no C++ compiler here for the CPU kernels"
+)
 
 
 @needs_kernels
