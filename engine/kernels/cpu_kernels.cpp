@@ -691,6 +691,11 @@ struct QShape {
   // Bytes of one column's packed int4 codes: in a block of 8, steps 0 and 1 share 64 bytes (low and high
   // nibbles of byte b), as do steps 2 and 3; in a block of 2, the step's bytes b and b + 32 share byte b.
   int64_t q4_bytes() const { return Kp / 2; }
+  // Where code b of step s lives in a column's packed int4 codes: its byte, and the shift of its nibble.
+  int64_t q4_byte(int64_t s, int64_t b) const {
+    return s < 4 * nb8 ? (s / 4) * 128 + ((s % 4) / 2) * 64 + b : nb8 * 128 + (s - 4 * nb8) * 32 + b % 32;
+  }
+  int q4_shift(int64_t s, int64_t b) const { return static_cast<int>(s < 4 * nb8 ? (s % 2) * 4 : (b / 32) * 4); }
 };
 
 // The codes (N, K) uint8 in lane order: int4 (bits 4, codes 0..15) -> (N, Kp / 2), int8 (bits 8) -> (N, Kp).
@@ -713,16 +718,7 @@ at::Tensor pack_weights(const at::Tensor& codes, int64_t bits) {
           op[n * ob + s * 64 + b] = v;
         } else {
           TORCH_CHECK(v < 16, "int4 codes must be 0..15");
-          int64_t byte;
-          int shift;
-          if (s < 4 * q.nb8) {  // block of 8: steps 2i and 2i + 1 share 64 bytes
-            byte = (s / 4) * 128 + ((s % 4) / 2) * 64 + b;
-            shift = (s % 2) * 4;
-          } else {  // block of 2: bytes b and b + 32 of the step share byte b
-            byte = q.nb8 * 128 + (s - 4 * q.nb8) * 32 + b % 32;
-            shift = (b / 32) * 4;
-          }
-          op[n * ob + byte] |= static_cast<uint8_t>(v << shift);
+          op[n * ob + q.q4_byte(s, b)] |= static_cast<uint8_t>(v << q.q4_shift(s, b));
         }
       }
     }
@@ -746,13 +742,7 @@ at::Tensor unpack_weights(const at::Tensor& packed, int64_t bits, int64_t K) {
       for (int64_t b = 0; b < 64; ++b) {
         const int64_t k = q.k_of(s, b / 4, b % 4);
         if (k >= K) continue;
-        if (bits == 8) {
-          op[n * K + k] = pp[n * ib + s * 64 + b];
-        } else if (s < 4 * q.nb8) {
-          op[n * K + k] = (pp[n * ib + (s / 4) * 128 + ((s % 4) / 2) * 64 + b] >> ((s % 2) * 4)) & 15;
-        } else {
-          op[n * K + k] = (pp[n * ib + q.nb8 * 128 + (s - 4 * q.nb8) * 32 + b % 32] >> ((b / 32) * 4)) & 15;
-        }
+        op[n * K + k] = bits == 8 ? pp[n * ib + s * 64 + b] : (pp[n * ib + q.q4_byte(s, b)] >> q.q4_shift(s, b)) & 15;
       }
   return out;
 }
@@ -860,9 +850,7 @@ struct QWeights {
   // The code of byte b of step s of column n.
   int32_t code(int64_t n, int64_t s, int64_t b) const {
     const uint8_t* c = codes + n * col_bytes;
-    if (bits == 8) return c[s * 64 + b];
-    if (s < 4 * q.nb8) return (c[(s / 4) * 128 + ((s % 4) / 2) * 64 + b] >> ((s % 2) * 4)) & 15;
-    return (c[q.nb8 * 128 + (s - 4 * q.nb8) * 32 + b % 32] >> ((b / 32) * 4)) & 15;
+    return bits == 8 ? c[s * 64 + b] : (c[q.q4_byte(s, b)] >> q.q4_shift(s, b)) & 15;
   }
 };
 
@@ -887,7 +875,7 @@ void gemm_q_scalar(const QActs& a, const QWeights& w, int64_t T, int64_t N, cons
         }
         for (int64_t g0 = 0; g0 < a.g16; g0 += 16)
           for (int j = 0; j < 16; ++j) {
-            const float m = g0 + j < q.groups || !w.gs ? w.min_of(n, std::min(g0 + j, q.groups - 1)) : 0.f;
+            const float m = g0 + j < q.groups || !w.gs ? w.min_of(n, g0 + j) : 0.f;  // int8: one min
             acc[j] = std::fma(m, a.xs[t * a.g16 + g0 + j], acc[j]);
           }
         op.put(t, n, lane_tree(acc));

@@ -83,23 +83,29 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.ops = _kernels()  # torch.ops.stallfree_cpu, or None
         none = torch.zeros(0)
+        # the float32 grid is built only for the fallback (no kernels), see the module docstring
+        fallback = self.ops is None
         if quantization == "int4":
             codes, scale, zero = quantize_int4(w)
             lo = zero - 8 * scale  # the block's min: w = code * scale + min
-            grid = (codes.view(n, -1, INT4_GROUP) * scale[..., None] + lo[..., None]).view(n, k)
+            grid = (
+                (codes.view(n, -1, INT4_GROUP) * scale[..., None] + lo[..., None]).view(n, k)
+                if fallback
+                else None
+            )
             # the kernel's zero groups up to K's multiple of 64
             pad = _padded(k) // INT4_GROUP - scale.shape[1]
             self.scale, self.minv = F.pad(scale, (0, pad)).contiguous(), F.pad(lo, (0, pad)).contiguous()
             codes_u8, bits = codes.to(torch.uint8), 4
         elif quantization == "int8":
             codes8, scale8 = quantize_int8(w)
-            grid = codes8.float() * scale8[:, None]
+            grid = codes8.float() * scale8[:, None] if fallback else None
             # stored as code + 128 (0..255): w = stored * scale + min, min = -128 * scale
             self.scale, self.minv = scale8.contiguous(), (-128.0 * scale8).contiguous()
             codes_u8, bits = (codes8.to(torch.int16) + 128).to(torch.uint8), 8
         else:
-            grid, self.scale, self.minv = w.bfloat16().float(), none, none
-        if self.ops is None:  # the fallback multiplies by the float32 grid, see the module docstring
+            grid, self.scale, self.minv = w.bfloat16().float() if fallback else None, none, none
+        if fallback:
             self.packed, self.fallback = none, grid
         else:
             self.fallback = None
