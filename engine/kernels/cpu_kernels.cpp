@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace {
@@ -299,6 +300,30 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, k);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same polynomial 8 at a time; 2^k built in the exponent bits (x is clamped so that k stays a normal
+// float's exponent).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The first n (< 8) floats of p as a vector, zeros after (and the mask that stores them back).
+inline __m256i first_n(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 
 inline void silu_mul_tile(float* g, const float* u, int64_t n) {
@@ -310,6 +335,15 @@ inline void silu_mul_tile(float* g, const float* u, int64_t n) {
     const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
     const __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_maskz_loadu_ps(k, u + i));
     _mm512_mask_storeu_ps(g + i, k, y);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i k = first_n(std::min<int64_t>(8, n - i));
+    const __m256 x = _mm256_maskload_ps(g + i, k);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    const __m256 y = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_maskload_ps(u + i, k));
+    _mm256_maskstore_ps(g + i, k, y);
   }
 #else
   for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
@@ -323,6 +357,12 @@ inline void exp_shifted(float* s, int64_t n, float mx) {
     const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
     const __m512 x = _mm512_maskz_loadu_ps(k, s + i);
     _mm512_mask_storeu_ps(s + i, k, exp512(_mm512_sub_ps(x, m)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 m = _mm256_set1_ps(mx);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i k = first_n(std::min<int64_t>(8, n - i));
+    _mm256_maskstore_ps(s + i, k, exp256(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), m)));
   }
 #else
   for (int64_t i = 0; i < n; ++i) s[i] = std::exp(s[i] - mx);
@@ -395,9 +435,28 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Lane t of the result is the sum of v[t]'s 8 lanes in the order j + 4, j + 2, j + 1 (float addition
+// commutes exactly, so which operand a lane was does not matter).
+inline __m256 reduce8(const __m256* v) {
+  __m256 w[4], x[2];
+  for (int m = 0; m < 4; ++m)
+    w[m] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x31));
+  for (int m = 0; m < 2; ++m)
+    x[m] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // z's lane 4h + i holds v[2i + h]'s sum: put v[t]'s in lane t.
+  return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+#endif
+
 #ifdef __AVX512F__
 
-// ---- attention of many rows over the paged cache (AVX-512) --------------------------------------------
+// ---- attention of many rows over the paged cache (AVX-512, or AVX2 as two halves) ---------------------
 
 // Lane t of the result is the sum of v[t]'s 16 lanes, every vector summed in the same tree (lanes j and
 // j + 8, then j and j + 4, then j and j + 2, then j and j + 1; float addition commutes exactly, so which
@@ -436,6 +495,61 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
+
+
+// The attention's 16-lane float vector: one AVX-512 register.
+using vec16 = __m512;
+inline vec16 v_zero() { return _mm512_setzero_ps(); }
+inline vec16 v_set1(float x) { return _mm512_set1_ps(x); }
+inline vec16 v_load(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
+inline void v_store(float* p, vec16 v) { _mm512_store_ps(p, v); }
+inline vec16 v_mul(vec16 a, vec16 b) { return _mm512_mul_ps(a, b); }
+inline vec16 v_fmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec16 v_reduce16(const vec16* v) { return reduce16(v); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// ---- attention of many rows over the paged cache (AVX2: a 16-lane vector as two halves) ---------------
+
+struct vec16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline vec16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vec16 v_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vec16 v_load(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+inline void v_store(float* p, vec16 v) { _mm256_store_ps(p, v.lo), _mm256_store_ps(p + 8, v.hi); }
+inline vec16 v_mul(vec16 a, vec16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vec16 v_fmadd(vec16 a, vec16 b, vec16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+// reduce16's tree: lanes j and j + 8 (the halves), then reduce8's j + 4, j + 2, j + 1.
+inline vec16 v_reduce16(const vec16* v) {
+  __m256 u[16];
+  for (int t = 0; t < 16; ++t) u[t] = _mm256_add_ps(v[t].lo, v[t].hi);
+  return {reduce8(u), reduce8(u + 8)};
+}
+
+template <typename T>
+inline vec16 load16(const T* p) {
+  alignas(32) float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
+  return v_load(f);
+}
+template <>
+inline vec16 load16<float>(const float* p) {
+  return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
+template <>
+inline vec16 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16))};
+}
+
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define SF_ROWS_ATTENTION 1
 
 // Keys per tile: scores come 16 at a time (one vector), and values are widened 16 rows at a time.
 constexpr int64_t kKeyTile = 16;
@@ -503,9 +617,9 @@ void rows_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const a
           const int64_t t = t0 + j;
           if (t < lmax) {
             const c_t* src = cache + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + h) * HD;
-            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(kv + j * HD + c * 16, load16(src + c * 16));
+            for (int64_t c = 0; c < C; ++c) v_store(kv + j * HD + c * 16, load16(src + c * 16));
           } else {
-            for (int64_t c = 0; c < C; ++c) _mm512_store_ps(kv + j * HD + c * 16, _mm512_setzero_ps());
+            for (int64_t c = 0; c < C; ++c) v_store(kv + j * HD + c * 16, v_zero());
           }
         }
       };
@@ -514,14 +628,14 @@ void rows_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const a
         widen_tile(kc, t0);
         for (int64_t v = 0; v < NV; ++v) {
           if (lp[d0 + v / G] <= t0) continue;
-          __m512 qv[C], part[kKeyTile];
-          for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_load_ps(qf + v * HD + c * 16);
+          vec16 qv[C], part[kKeyTile];
+          for (int64_t c = 0; c < C; ++c) qv[c] = v_load(qf + v * HD + c * 16);
           for (int64_t j = 0; j < kKeyTile; ++j) {
-            __m512 s = _mm512_mul_ps(qv[0], _mm512_load_ps(kv + j * HD));
-            for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kv + j * HD + c * 16), s);
+            vec16 s = v_mul(qv[0], v_load(kv + j * HD));
+            for (int64_t c = 1; c < C; ++c) s = v_fmadd(qv[c], v_load(kv + j * HD + c * 16), s);
             part[j] = s;
           }
-          _mm512_store_ps(scores + v * Lpad + t0, reduce16(part));
+          v_store(scores + v * Lpad + t0, v_reduce16(part));
         }
       }
       for (int64_t v = 0; v < NV; ++v) {
@@ -540,13 +654,13 @@ void rows_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const a
           const int64_t nk = std::min<int64_t>(kKeyTile, lp[d0 + v / G] - t0);
           if (nk <= 0) continue;
           const float* sv = scores + v * Lpad + t0;
-          __m512 a[C];
-          for (int64_t c = 0; c < C; ++c) a[c] = _mm512_load_ps(acc + v * HD + c * 16);
+          vec16 a[C];
+          for (int64_t c = 0; c < C; ++c) a[c] = v_load(acc + v * HD + c * 16);
           for (int64_t j = 0; j < nk; ++j) {
-            const __m512 p = _mm512_set1_ps(sv[j]);
-            for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, _mm512_load_ps(kv + j * HD + c * 16), a[c]);
+            const vec16 p = v_set1(sv[j]);
+            for (int64_t c = 0; c < C; ++c) a[c] = v_fmadd(p, v_load(kv + j * HD + c * 16), a[c]);
           }
-          for (int64_t c = 0; c < C; ++c) _mm512_store_ps(acc + v * HD + c * 16, a[c]);
+          for (int64_t c = 0; c < C; ++c) v_store(acc + v * HD + c * 16, a[c]);
         }
       }
       for (int64_t v = 0; v < NV; ++v) {
@@ -591,7 +705,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_q", [&] {
     using q_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_kv", [&] {
-#ifdef __AVX512F__
+#ifdef SF_ROWS_ATTENTION
       if (hd == 64) {
         rows_attention_impl<q_t, scalar_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, out, scale);
       } else if (hd == 128) {
@@ -779,6 +893,30 @@ inline int32_t quantize_group(const float* v, int8_t* dst, float* dx) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
   *dx = amax / 127.f;
   return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  alignas(32) int32_t q[32];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    // cvtps_epi32 rounds to nearest even (the default rounding mode, as std::nearbyint below)
+    const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], id));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i), qi);
+    sum = _mm256_add_epi32(sum, qi);
+  }
+  for (int e = 0; e < 32; ++e) dst[e] = static_cast<int8_t>(q[e]);
+  alignas(32) int32_t s8[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
+  *dx = amax / 127.f;
+  return s8[0] + s8[1] + s8[2] + s8[3] + s8[4] + s8[5] + s8[6] + s8[7];
 #else
   float amax = 0.f;
   for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(v[e]));
@@ -1007,6 +1145,187 @@ void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& 
 
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && \
+    defined(__FMA__)
+
+// ---- the same GEMM with AVX2 (CPUs without AVX512-VNNI: AMD Zen 2/3, most Intel client parts) ----------
+
+// A step's 16 lanes are two 256-bit halves (lanes 0-7, 8-15). Integer sums: vpmaddubsw adds two u8 x s8
+// products into an int16 and vpmaddwd pairs those into the int32 of the lane's 4 bytes, as vpdpbusd does in
+// one instruction. Both are exact where the int16 cannot overflow: int4 codes (0..15) x |xq| <= 127 give
+// pairs of at most 3,810, so the 4 steps of a block are summed in int16 (<= 15,240) before vpmaddwd; an int8
+// code (0..255) is split into its nibbles, code = 16 hi + lo, each nibble's sum exact as for int4. The
+// float steps are gemm_q_scalar's, lane for lane, and the 16 lanes are summed in lane_tree's order (j + 8
+// first: the two halves; then j + 4, j + 2, j + 1 in reduce8), so this path's bits are the reference's.
+
+// int16 pairs of 32 codes (0..15) x 32 activations: code[2i] x[2i] + code[2i+1] x[2i+1], exact (<= 3,810).
+inline __m256i pairs16(__m256i codes, const int8_t* x) {
+  return _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// The int32 lane sums (4 bytes each) of int16 pairs, times k.
+inline __m256i widen16(__m256i p, int16_t k = 1) { return _mm256_madd_epi16(p, _mm256_set1_epi16(k)); }
+
+inline __m256i low4(__m256i p) { return _mm256_and_si256(p, _mm256_set1_epi8(0x0F)); }
+inline __m256i high4(__m256i p) { return _mm256_and_si256(_mm256_srli_epi16(p, 4), _mm256_set1_epi8(0x0F)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Half h (lanes 8h .. 8h + 7) of a block's codes for column n, as nibbles 0..15: a block of 8 groups has 4
+// steps (int4: 4 vectors; int8: each step's low then high nibbles, 8), a block of 2 groups one step (int4:
+// 1; int8: 2). The int8 nibbles' products are summed apart: the high ones are worth 16.
+template <int BITS>
+struct HalfCodes {
+  __m256i v[BITS == 4 ? 4 : 8];
+
+  void block8(const QWeights& w, int64_t n, int64_t blk, int h) {
+    const uint8_t* c = w.codes + n * w.col_bytes;
+    if (BITS == 8) {
+      for (int u = 0; u < 4; ++u) {
+        const __m256i p = load32(c + blk * 256 + u * 64 + 32 * h);
+        v[2 * u] = low4(p);
+        v[2 * u + 1] = high4(p);
+      }
+    } else {
+      const __m256i p0 = load32(c + blk * 128 + 32 * h), p1 = load32(c + blk * 128 + 64 + 32 * h);
+      v[0] = low4(p0), v[1] = high4(p0), v[2] = low4(p1), v[3] = high4(p1);
+    }
+  }
+
+  void block2(const QWeights& w, int64_t n, int64_t b2, int h) {
+    const uint8_t* c = w.codes + n * w.col_bytes;
+    if (BITS == 8) {
+      const __m256i p = load32(c + (4 * w.q.nb8 + b2) * 64 + 32 * h);
+      v[0] = low4(p), v[1] = high4(p);
+    } else {
+      const __m256i p = load32(c + w.q.nb8 * 128 + b2 * 32);
+      v[0] = h == 0 ? low4(p) : high4(p);
+    }
+  }
+
+  // The int32 lane sums for the row whose block starts at x (its steps 64 bytes apart): exact, as the
+  // int16 sums of a block's pairs stay within 4 x 3,810.
+  template <int STEPS>
+  __m256i dot(const int8_t* x, int h) const {
+    if (BITS == 4) {
+      __m256i s = pairs16(v[0], x + 32 * h);
+      for (int u = 1; u < STEPS; ++u) s = _mm256_add_epi16(s, pairs16(v[u], x + u * 64 + 32 * h));
+      return widen16(s);
+    }
+    __m256i lo = pairs16(v[0], x + 32 * h), hi = pairs16(v[1], x + 32 * h);
+    for (int u = 1; u < STEPS; ++u) {
+      lo = _mm256_add_epi16(lo, pairs16(v[2 * u], x + u * 64 + 32 * h));
+      hi = _mm256_add_epi16(hi, pairs16(v[2 * u + 1], x + u * 64 + 32 * h));
+    }
+    return _mm256_add_epi32(widen16(hi, 16), widen16(lo));
+  }
+};
+
+// Half h's lane scales in a block: 8 groups two lanes each, or 2 groups eight lanes each.
+inline __m256 scale_half(const QWeights& w, int64_t n, int64_t blk, int h) {
+  if (!w.gs) return _mm256_set1_ps(w.scale[n]);
+  if (blk < w.q.nb8) {
+    const __m128 s = _mm_loadu_ps(w.scale + n * w.q.groups + blk * 8 + 4 * h);
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  }
+  return _mm256_set1_ps(w.scale[n * w.q.groups + 8 * w.q.nb8 + 2 * (blk - w.q.nb8) + h]);
+}
+
+// Half h of the mins of groups g0 .. g0 + 15 (zero past the last group; int8: the column's one min).
+inline __m256 min_half(const QWeights& w, int64_t n, int64_t g0, int h) {
+  if (!w.gs) return _mm256_set1_ps(w.minv[n]);
+  const int64_t g = g0 + 8 * h;
+  if (g + 8 <= w.q.groups) return _mm256_loadu_ps(w.minv + n * w.q.groups + g);
+  alignas(32) float m[8] = {0.f};
+  for (int64_t j = 0; g + j < w.q.groups && j < 8; ++j) m[j] = w.minv[n * w.q.groups + g + j];
+  return _mm256_load_ps(m);
+}
+
+// R rows x C columns (R x C <= 8 outputs), a column at a time, every output gemm_q_scalar's operations.
+template <int BITS, int R, int C>
+void q_tile2(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out& op) {
+  const QShape& q = w.q;
+  const int8_t* x0 = a.xq + t0 * q.Kp;
+  const float* d0 = a.dxl + t0 * q.blocks() * 16;
+  __m256 v[8];
+  HalfCodes<BITS> codes;
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = n0 + c;
+    __m256 acc[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      for (int64_t blk = 0; blk < q.nb8; ++blk) {
+        codes.block8(w, n, blk, h);
+        const __m256 sl = scale_half(w, n, blk, h);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i s = codes.template dot<4>(x0 + r * q.Kp + blk * 256, h);
+          const __m256 f = _mm256_mul_ps(sl, _mm256_loadu_ps(d0 + (r * q.blocks() + blk) * 16 + 8 * h));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[r][h]);
+        }
+      }
+      for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
+        const int64_t blk = q.nb8 + b2;
+        codes.block2(w, n, b2, h);
+        const __m256 sl = scale_half(w, n, blk, h);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i s = codes.template dot<1>(x0 + r * q.Kp + (4 * q.nb8 + b2) * 64, h);
+          const __m256 f = _mm256_mul_ps(sl, _mm256_loadu_ps(d0 + (r * q.blocks() + blk) * 16 + 8 * h));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[r][h]);
+        }
+      }
+      for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
+        const __m256 m = min_half(w, n, g0, h);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.xs + (t0 + r) * a.g16 + g0 + 8 * h), acc[r][h]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) v[r * C + c] = _mm256_add_ps(acc[r][0], acc[r][1]);  // lanes j and j + 8
+  }
+  for (int i = R * C; i < 8; ++i) v[i] = _mm256_setzero_ps();
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, reduce8(v));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) op.put(t0 + r, n0 + c, sums[r * C + c]);
+}
+
+// Tasks of 16 columns; in a task, tiles of up to 4 rows pass over the 16 columns' codes (in L1) in turn.
+template <int BITS>
+void gemm_q2(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& op) {
+  constexpr int64_t CB = 16;
+  at::parallel_for(0, (N + CB - 1) / CB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * CB, n1 = std::min(N, n0 + CB);
+      for (int64_t t = 0; t < T; t += 4) {
+        const int64_t rt = std::min<int64_t>(4, T - t);
+        int64_t n = n0;
+        if (rt == 1)
+          for (; n + 8 <= n1; n += 8) q_tile2<BITS, 1, 8>(a, w, t, n, op);
+        for (; n < n1; n += 4) {  // N is a multiple of 4
+          if (rt == 4) q_tile2<BITS, 4, 2>(a, w, t, n, op), q_tile2<BITS, 4, 2>(a, w, t, n + 2, op);
+          if (rt == 3) q_tile2<BITS, 3, 2>(a, w, t, n, op), q_tile2<BITS, 3, 2>(a, w, t, n + 2, op);
+          if (rt == 2) q_tile2<BITS, 2, 4>(a, w, t, n, op);
+          if (rt == 1) q_tile2<BITS, 1, 4>(a, w, t, n, op);
+        }
+      }
+    }
+  });
+}
+
+void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& op) {
+  if (w.bits == 4) {
+    gemm_q2<4>(a, w, T, N, op);
+  } else {
+    gemm_q2<8>(a, w, T, N, op);
+  }
+}
+
+#define SF_Q_AVX2 1
+#endif
+
 // ---- bf16 weights ----
 
 struct Weights {
@@ -1182,7 +1501,7 @@ at::Tensor linear_impl(const at::Tensor& x, int64_t kind, const at::Tensor& weig
   if (kind == kQ4 || kind == kQ8) {
     const QWeights w = q_weights(kind, K, N, weight, scale, minv);
     const QActs a = quantize_rows(x.contiguous(), w.q);
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(SF_Q_AVX2)
     if (!scalar) {
       gemm_q(a, w, T, N, op);
     } else
@@ -1221,6 +1540,32 @@ at::Tensor packed_linear_scalar(const at::Tensor& x, int64_t kind, const at::Ten
   return linear_impl(x, kind, weight, scale, minv, bias, out_features, true);
 }
 
+// Which instructions this build's kernels use, for the engine's log and the benchmarks' records.
+std::string kernel_isa() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  std::string gemm = "int4/int8: avx512-vnni";
+#elif defined(SF_Q_AVX2)
+  std::string gemm = "int4/int8: avx2";
+#else
+  std::string gemm = "int4/int8: scalar";
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  gemm += ", bf16: avx512-bf16";
+#elif defined(__AVX512F__)
+  gemm += ", bf16: avx512";
+#else
+  gemm += ", bf16: scalar";
+#endif
+#if defined(__AVX512F__)
+  gemm += ", attention: avx512";
+#elif defined(SF_ROWS_ATTENTION)
+  gemm += ", attention: avx2";
+#else
+  gemm += ", attention: scalar";
+#endif
+  return gemm;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stallfree_cpu, m) {
@@ -1239,6 +1584,7 @@ TORCH_LIBRARY(stallfree_cpu, m) {
       "int out_features) -> Tensor");
   m.def("pack_weights(Tensor codes, int bits) -> Tensor");
   m.def("unpack_weights(Tensor packed, int bits, int K) -> Tensor");
+  m.def("kernel_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
@@ -1252,3 +1598,5 @@ TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
   m.impl("pack_weights", &pack_weights);
   m.impl("unpack_weights", &unpack_weights);
 }
+
+TORCH_LIBRARY_IMPL(stallfree_cpu, CompositeExplicitAutograd, m) { m.impl("kernel_isa", &kernel_isa); }
