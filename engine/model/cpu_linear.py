@@ -7,8 +7,8 @@ along the input with a float32 scale and min each, as GGUF's Q4_1 blocks; int8 w
 channel; or bf16), and multiplies every row count with the same C++ kernel (`packed_linear` in
 engine/kernels/cpu_kernels.cpp), which reads the weights once per call for all rows. int4 and int8 run as
 llama.cpp's Q4_1 x Q8_1 does: each row of activations is quantized to int8 per group of 32 (a scale per
-group), the code x activation products are summed exactly in int32 (AVX512-VNNI), and each group's sum is
-scaled and added in float32 in a fixed order; bf16 weights multiply the bf16 activations in float32, also
+group), the code x activation products are summed exactly in int32 (AVX512-VNNI, or AVX2), and each
+group's sum is scaled and added in float32 in a fixed order; bf16 weights multiply the bf16 activations in float32, also
 in a fixed order. The result is rounded once to bf16.
 
 NOTE: same request, same answer. A row's output is the same bits whether it runs alone, in a chunk of
@@ -165,5 +165,10 @@ def pack_for_cpu(model: nn.Module, quantization: str = "none") -> nn.Module:
             setattr(owner, name, PackedLinear(lin.weight, lin.bias, quantization))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.logits_proj = PackedLinear(head, None, "none" if quantization == "none" else "int8")
-    logger.info("linear layers packed for the CPU: %s weights, bf16 activations", quantization)
+    ops = _kernels()
+    logger.info(
+        "linear layers packed for the CPU: %s weights, bf16 activations (kernels: %s)",
+        quantization,
+        ops.kernel_isa() if ops is not None else "none, plain torch ops",
+    )
     return model

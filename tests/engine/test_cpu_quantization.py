@@ -6,6 +6,7 @@ that). ATOL is the scale for the mutant: positions restarted per chunk move the 
 """
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +84,58 @@ def test_integer_gemm_is_its_scalar_reference_bit_for_bit(quantization, k):
         x = torch.randn(rows, k, generator=g).bfloat16()
         args = (KIND[quantization], lin.packed, lin.scale, lin.minv, lin.bias, 64)
         assert torch.equal(ops.packed_linear(x, *args), ops.packed_linear_scalar(x, *args)), (rows, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_gemm_exact_at_the_extreme_codes(bits):
+    """The largest codes times the largest quantized activations (|xq| = 127 everywhere), where an int16
+    partial sum would overflow first (AVX2 sums pairs in int16), and random codes over the kind's whole range
+    (int8: 0..255, though the quantizer stores 1..255): the vector path is still its reference, and with
+    every code and activation equal the output is the exact product."""
+    ops = cpu_fused.load()
+    g = torch.Generator().manual_seed(4)
+    n, k, top = 16, 1600, 2**bits - 1  # 1600: six blocks of 8 groups and a block of 2
+    kind = 0 if bits == 4 else 1
+    for codes in (
+        torch.full((n, k), top, dtype=torch.uint8),
+        torch.randint(0, top + 1, (n, k), generator=g).to(torch.uint8),
+    ):
+        packed = ops.pack_weights(codes, bits)
+        groups = (k + 63) // 64 * 2
+        scale = torch.full((n, groups) if bits == 4 else (n,), 0.5)
+        minv = torch.zeros_like(scale)
+        for value in (1.0, -1.0):
+            x = torch.full((3, k), value).bfloat16()
+            out = ops.packed_linear(x, kind, packed, scale, minv, None, n)
+            assert torch.equal(out, ops.packed_linear_scalar(x, kind, packed, scale, minv, None, n))
+            if codes.min() == top:  # every product is top x 0.5 x value: the sum exact in float32, then bf16
+                assert torch.equal(out, torch.full((3, n), top * 0.5 * value * k).bfloat16())
+        x = torch.randn(5, k, generator=g).bfloat16()
+        assert torch.equal(
+            ops.packed_linear(x, kind, packed, scale, minv, None, n),
+            ops.packed_linear_scalar(x, kind, packed, scale, minv, None, n),
+        )
+
+
+@needs_kernels
+def test_a_vector_capable_cpu_gets_the_vector_gemm():
+    """A CPU with AVX2 must not fall back to the one-lane reference for int4/int8 (it silently did on
+    AVX2-only machines, 8-50x slower): the build reports the path it took."""
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    isa = cpu_fused.load().kernel_isa()
+    if "avx512_vnni" in flags and "avx512bw" in flags:
+        assert "int4/int8: avx512-vnni" in isa
+    elif "avx2" in flags and "fma" in flags:
+        assert "int4/int8: avx2" in isa and "attention: avx2" in isa
+    else:
+        pytest.skip(f"no AVX2 here: {isa}")
 
 
 @needs_kernels
