@@ -281,6 +281,13 @@ inline float ordered_sum(const float* a, int64_t n) {
   return lane[0];
 }
 
+#if defined(__AVX2__)
+// A mask of the first n (0..8) of 8 lanes, for masked loads and stores.
+inline __m256i first_n(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 // s[i] = exp(s[i] - mx) for i < n. With AVX-512: 16 at a time (a masked tail), Cephes' expf polynomial
 // after a Cody-Waite reduction (~1 ulp), each element's result a function of its value alone (so of no
 // position, batch or buffer); 3-4x faster than libm's scalar expf, which was most of a chunk's attention.
@@ -320,10 +327,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// The first n (< 8) floats of p as a vector, zeros after (and the mask that stores them back).
-inline __m256i first_n(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 #endif
 
 inline void silu_mul_tile(float* g, const float* u, int64_t n) {
@@ -1233,57 +1236,60 @@ inline __m256 scale_half(const QWeights& w, int64_t n, int64_t blk, int h) {
 // Half h of the mins of groups g0 .. g0 + 15 (zero past the last group; int8: the column's one min).
 inline __m256 min_half(const QWeights& w, int64_t n, int64_t g0, int h) {
   if (!w.gs) return _mm256_set1_ps(w.minv[n]);
-  const int64_t g = g0 + 8 * h;
-  if (g + 8 <= w.q.groups) return _mm256_loadu_ps(w.minv + n * w.q.groups + g);
-  alignas(32) float m[8] = {0.f};
-  for (int64_t j = 0; g + j < w.q.groups && j < 8; ++j) m[j] = w.minv[n * w.q.groups + g + j];
-  return _mm256_load_ps(m);
+  const int64_t g = g0 + 8 * h, live = std::max<int64_t>(0, std::min<int64_t>(8, w.q.groups - g));
+  if (live == 8) return _mm256_loadu_ps(w.minv + n * w.q.groups + g);
+  return _mm256_maskload_ps(w.minv + n * w.q.groups + g, first_n(live));  // reads only the live lanes
 }
 
-// R rows x C columns (R x C <= 8 outputs), a column at a time, every output gemm_q_scalar's operations.
-template <int BITS, int R, int C>
-void q_tile2(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out& op) {
+// Half H of column n's R accumulators (lanes 8H .. 8H + 7): gemm_q_scalar's operations for those lanes.
+template <int BITS, int R, int H>
+inline void q_half(const QActs& a, const QWeights& w, int64_t t0, int64_t n, __m256 (&acc)[R]) {
   const QShape& q = w.q;
   const int8_t* x0 = a.xq + t0 * q.Kp;
-  const float* d0 = a.dxl + t0 * q.blocks() * 16;
-  __m256 v[8];
+  const float* d0 = a.dxl + t0 * q.blocks() * 16 + 8 * H;
   HalfCodes<BITS> codes;
-  for (int c = 0; c < C; ++c) {
-    const int64_t n = n0 + c;
-    __m256 acc[R][2];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int h = 0; h < 2; ++h) {
-      for (int64_t blk = 0; blk < q.nb8; ++blk) {
-        codes.block8(w, n, blk, h);
-        const __m256 sl = scale_half(w, n, blk, h);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < q.nb8; ++blk) {
+    codes.block8(w, n, blk, H);
+    const __m256 sl = scale_half(w, n, blk, H);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256i s = codes.template dot<4>(x0 + r * q.Kp + blk * 256, h);
-          const __m256 f = _mm256_mul_ps(sl, _mm256_loadu_ps(d0 + (r * q.blocks() + blk) * 16 + 8 * h));
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[r][h]);
-        }
-      }
-      for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
-        const int64_t blk = q.nb8 + b2;
-        codes.block2(w, n, b2, h);
-        const __m256 sl = scale_half(w, n, blk, h);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256i s = codes.template dot<1>(x0 + r * q.Kp + (4 * q.nb8 + b2) * 64, h);
-          const __m256 f = _mm256_mul_ps(sl, _mm256_loadu_ps(d0 + (r * q.blocks() + blk) * 16 + 8 * h));
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[r][h]);
-        }
-      }
-      for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
-        const __m256 m = min_half(w, n, g0, h);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r)
-          acc[r][h] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.xs + (t0 + r) * a.g16 + g0 + 8 * h), acc[r][h]);
-      }
+    for (int r = 0; r < R; ++r) {
+      const __m256i s = codes.template dot<4>(x0 + r * q.Kp + blk * 256, H);
+      const __m256 f = _mm256_mul_ps(sl, _mm256_loadu_ps(d0 + (r * q.blocks() + blk) * 16));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[r]);
     }
+  }
+  for (int64_t b2 = 0; b2 < q.nb2; ++b2) {
+    const int64_t blk = q.nb8 + b2;
+    codes.block2(w, n, b2, H);
+    const __m256 sl = scale_half(w, n, blk, H);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) v[r * C + c] = _mm256_add_ps(acc[r][0], acc[r][1]);  // lanes j and j + 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i s = codes.template dot<1>(x0 + r * q.Kp + (4 * q.nb8 + b2) * 64, H);
+      const __m256 f = _mm256_mul_ps(sl, _mm256_loadu_ps(d0 + (r * q.blocks() + blk) * 16));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[r]);
+    }
+  }
+  for (int64_t g0 = 0; g0 < a.g16; g0 += 16) {
+    const __m256 m = min_half(w, n, g0, H);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a.xs + (t0 + r) * a.g16 + g0 + 8 * H), acc[r]);
+  }
+}
+
+// R rows x C columns (R x C <= 8 outputs), a column at a time (each half's R accumulators in registers),
+// then lanes j and j + 8 added and one reduce8 for the tile.
+template <int BITS, int R, int C>
+void q_tile2(const QActs& a, const QWeights& w, int64_t t0, int64_t n0, const Out& op) {
+  __m256 v[8];
+  for (int c = 0; c < C; ++c) {
+    __m256 lo[R], hi[R];
+    q_half<BITS, R, 0>(a, w, t0, n0 + c, lo);
+    q_half<BITS, R, 1>(a, w, t0, n0 + c, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) v[r * C + c] = _mm256_add_ps(lo[r], hi[r]);
   }
   for (int i = R * C; i < 8; ++i) v[i] = _mm256_setzero_ps();
   alignas(32) float sums[8];
