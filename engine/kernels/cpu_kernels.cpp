@@ -742,7 +742,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // int4 and int8 (the default CPU mode): integer dot products, as llama.cpp's Q4_1 x Q8_1. Each row of x is
 // quantized per group of 32 (dx = max |x| / 127, xq = round(x / dx) in -127..127, the same for a row
 // whatever else is in the batch); the products code x xq are summed exactly in int32 (AVX512-VNNI's
-// vpdpbusd adds four u8 x s8 products per lane; in any grouping, as integers); then, per group, float32:
+// vpdpbusd adds four u8 x s8 products per lane, AVX2's vpmaddubsw + vpmaddwd the same four in two steps; in
+// any grouping, as integers); then, per group, float32:
 // y += isum * (scale * dx), and at the end y += sum over groups of min * (dx * sum xq). The integer sums
 // are exact, so only the float steps round, in one fixed order per output:
 // - K is padded to Kp (a multiple of 64) with zero codes, zero scales and zero activations;
@@ -753,7 +754,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // - lane j's float accumulator adds, block after block, float(its int32 sum) x (its group's scale x dx),
 //   one FMA per block; then, 16 groups at a time in ascending order, min[g] x (dx_g x sum xq_g), one FMA
 //   per lane; then the 16 lanes are summed in reduce16's tree.
-// gemm_q_scalar spells the same operations out one lane at a time (the path for CPUs without AVX512-VNNI,
+// gemm_q_scalar spells the same operations out one lane at a time (the path for CPUs without AVX2,
 // and the reference the tests hold the vector path to, bit for bit).
 //
 // bf16 weights: widened to float32 and multiplied with the bf16 activations by vdpbf16ps (AVX512-BF16;
@@ -1151,7 +1152,7 @@ void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& 
 #if !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && \
     defined(__FMA__)
 
-// ---- the same GEMM with AVX2 (CPUs without AVX512-VNNI: AMD Zen 2/3, most Intel client parts) ----------
+// ---- the same GEMM with AVX2 (CPUs without AVX512-VNNI: AMD Zen 2/3, Intel parts without AVX-512) -------
 
 // A step's 16 lanes are two 256-bit halves (lanes 0-7, 8-15). Integer sums: vpmaddubsw adds two u8 x s8
 // products into an int16 and vpmaddwd pairs those into the int32 of the lane's 4 bytes, as vpdpbusd does in

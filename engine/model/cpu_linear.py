@@ -8,8 +8,8 @@ channel; or bf16), and multiplies every row count with the same C++ kernel (`pac
 engine/kernels/cpu_kernels.cpp), which reads the weights once per call for all rows. int4 and int8 run as
 llama.cpp's Q4_1 x Q8_1 does: each row of activations is quantized to int8 per group of 32 (a scale per
 group), the code x activation products are summed exactly in int32 (AVX512-VNNI, or AVX2), and each
-group's sum is scaled and added in float32 in a fixed order; bf16 weights multiply the bf16 activations in float32, also
-in a fixed order. The result is rounded once to bf16.
+group's sum is scaled and added in float32 in a fixed order; bf16 weights multiply the bf16 activations in
+float32, also in a fixed order. The result is rounded once to bf16.
 
 NOTE: same request, same answer. A row's output is the same bits whether it runs alone, in a chunk of
 hundreds, beside other requests or after a prefix-cache hit; the layers this replaces switched from a
