@@ -24,6 +24,16 @@
 #include <string>
 #include <vector>
 
+// The vector paths this build takes (-march=native: the CPU it is built on).
+#if defined(__AVX2__) && defined(__FMA__)
+#define SF_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SF_Q_VNNI512 1  // the int4 / int8 GEMM with vpdpbusd
+#elif defined(SF_AVX2)
+#define SF_Q_AVX2 1  // the same GEMM with vpmaddubsw + vpmaddwd
+#endif
+
 namespace {
 
 // Rows handled per task: enough work that a task outweighs the thread pool's hand-off.
@@ -281,7 +291,7 @@ inline float ordered_sum(const float* a, int64_t n) {
   return lane[0];
 }
 
-#if defined(__AVX2__)
+#ifdef SF_AVX2
 // A mask of the first n (0..8) of 8 lanes, for masked loads and stores.
 inline __m256i first_n(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -291,37 +301,34 @@ inline __m256i first_n(int64_t n) {
 // s[i] = exp(s[i] - mx) for i < n. With AVX-512: 16 at a time (a masked tail), Cephes' expf polynomial
 // after a Cody-Waite reduction (~1 ulp), each element's result a function of its value alone (so of no
 // position, batch or buffer); 3-4x faster than libm's scalar expf, which was most of a chunk's attention.
+// Cephes' expf: log2(e), ln 2 split in a high and a low part, and the polynomial (highest degree first).
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #ifdef __AVX512F__
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, k);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(SF_AVX2)
 // The same polynomial 8 at a time; 2^k built in the exponent bits (x is clamped so that k stays a normal
 // float's exponent).
 inline __m256 exp256(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -339,7 +346,7 @@ inline void silu_mul_tile(float* g, const float* u, int64_t n) {
     const __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_maskz_loadu_ps(k, u + i));
     _mm512_mask_storeu_ps(g + i, k, y);
   }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(SF_AVX2)
   const __m256 one = _mm256_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 8) {
     const __m256i k = first_n(std::min<int64_t>(8, n - i));
@@ -361,7 +368,7 @@ inline void exp_shifted(float* s, int64_t n, float mx) {
     const __m512 x = _mm512_maskz_loadu_ps(k, s + i);
     _mm512_mask_storeu_ps(s + i, k, exp512(_mm512_sub_ps(x, m)));
   }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(SF_AVX2)
   const __m256 m = _mm256_set1_ps(mx);
   for (int64_t i = 0; i < n; i += 8) {
     const __m256i k = first_n(std::min<int64_t>(8, n - i));
@@ -438,7 +445,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef SF_AVX2
 // Lane t of the result is the sum of v[t]'s 8 lanes in the order j + 4, j + 2, j + 1 (float addition
 // commutes exactly, so which operand a lane was does not matter).
 inline __m256 reduce8(const __m256* v) {
@@ -510,7 +517,7 @@ inline vec16 v_mul(vec16 a, vec16 b) { return _mm512_mul_ps(a, b); }
 inline vec16 v_fmadd(vec16 a, vec16 b, vec16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec16 v_reduce16(const vec16* v) { return reduce16(v); }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(SF_AVX2)
 
 // ---- attention of many rows over the paged cache (AVX2: a 16-lane vector as two halves) ---------------
 
@@ -551,7 +558,7 @@ inline vec16 load16<c10::BFloat16>(const c10::BFloat16* p) {
 
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(SF_AVX2)
 #define SF_ROWS_ATTENTION 1
 
 // Keys per tile: scores come 16 at a time (one vector), and values are widened 16 rows at a time.
@@ -897,7 +904,7 @@ inline int32_t quantize_group(const float* v, int8_t* dst, float* dx) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
   *dx = amax / 127.f;
   return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-#elif defined(__AVX2__)
+#elif defined(SF_AVX2)
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4], m = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -1025,7 +1032,7 @@ void gemm_q_scalar(const QActs& a, const QWeights& w, int64_t T, int64_t N, cons
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef SF_Q_VNNI512
 
 // Step s's 64 codes of column n (codes 0..255) as one vector; two steps of a block of 8 at once.
 inline void codes_pair(const QWeights& w, int64_t n, int64_t blk, int64_t half, __m512i& a, __m512i& b) {
@@ -1149,8 +1156,7 @@ void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& 
 
 #endif
 
-#if !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && \
-    defined(__FMA__)
+#ifdef SF_Q_AVX2
 
 // ---- the same GEMM with AVX2 (CPUs without AVX512-VNNI: AMD Zen 2/3, Intel parts without AVX-512) -------
 
@@ -1330,7 +1336,6 @@ void gemm_q(const QActs& a, const QWeights& w, int64_t T, int64_t N, const Out& 
   }
 }
 
-#define SF_Q_AVX2 1
 #endif
 
 // ---- bf16 weights ----
@@ -1508,7 +1513,7 @@ at::Tensor linear_impl(const at::Tensor& x, int64_t kind, const at::Tensor& weig
   if (kind == kQ4 || kind == kQ8) {
     const QWeights w = q_weights(kind, K, N, weight, scale, minv);
     const QActs a = quantize_rows(x.contiguous(), w.q);
-#if (defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(SF_Q_AVX2)
+#if defined(SF_Q_VNNI512) || defined(SF_Q_AVX2)
     if (!scalar) {
       gemm_q(a, w, T, N, op);
     } else
@@ -1549,28 +1554,28 @@ at::Tensor packed_linear_scalar(const at::Tensor& x, int64_t kind, const at::Ten
 
 // Which instructions this build's kernels use, for the engine's log and the benchmarks' records.
 std::string kernel_isa() {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  std::string gemm = "int4/int8: avx512-vnni";
+#if defined(SF_Q_VNNI512)
+  std::string isa = "int4/int8: avx512-vnni";
 #elif defined(SF_Q_AVX2)
-  std::string gemm = "int4/int8: avx2";
+  std::string isa = "int4/int8: avx2";
 #else
-  std::string gemm = "int4/int8: scalar";
+  std::string isa = "int4/int8: scalar";
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  gemm += ", bf16: avx512-bf16";
+  isa += ", bf16: avx512-bf16";
 #elif defined(__AVX512F__)
-  gemm += ", bf16: avx512";
+  isa += ", bf16: avx512";
 #else
-  gemm += ", bf16: scalar";
+  isa += ", bf16: scalar";
 #endif
 #if defined(__AVX512F__)
-  gemm += ", attention: avx512";
+  isa += ", attention: avx512";
 #elif defined(SF_ROWS_ATTENTION)
-  gemm += ", attention: avx2";
+  isa += ", attention: avx2";
 #else
-  gemm += ", attention: scalar";
+  isa += ", attention: scalar";
 #endif
-  return gemm;
+  return isa;
 }
 
 }  // namespace
