@@ -13,11 +13,12 @@ recent admission rate. Every accepted request ends with its output or an explici
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +33,49 @@ from stallfree.engine.server.traffic import TrafficConfig
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+
+
+class EngineThread:
+    """The one thread that builds the engine and then runs its loop: jobs run in order, one at a time.
+
+    NOTE: build and step on the same thread. Torch's OpenMP pool belongs to the thread that opens the
+    first parallel region, so a model loaded on one thread (asyncio.to_thread's) and stepped on another
+    leaves two pools, more OpenMP threads than cores, and then libgomp stops spinning between parallel
+    regions: every kernel call sleeps and is woken. On a 2-core box that made a batch-1 decode step
+    36 ms instead of 11 ms (docs/engine.md, *The server's engine thread*)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._work, name="stallfree-engine", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the thread after the jobs before it; its result or exception lands in the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def close(self, timeout: float) -> None:
+        """Let the thread end after its current job; wait at most `timeout` seconds for that."""
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
 
 
 @dataclass(slots=True)
@@ -81,7 +125,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, traffic: TrafficConfig, observer: EngineObserver | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        traffic: TrafficConfig,
+        observer: EngineObserver | None = None,
+        thread: EngineThread | None = None,
+    ):
+        """`thread`: the EngineThread that built `engine` (its loop then runs there too); a new one if None."""
         self.engine = engine
         self.traffic = traffic
         self.observer = observer or EngineObserver()
@@ -94,7 +145,8 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._last_stats = engine.last_stats
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._loop_done: concurrent.futures.Future | None = None
         self._stop = threading.Event()
         self.dead: str | None = None  # why the engine loop died
         self.draining = False
@@ -106,18 +158,19 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="stallfree-engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = EngineThread()
+        self._loop_done = self._thread.submit(self._run)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        return self._loop_done is not None and not self._loop_done.done() and self.dead is None
 
     def stop(self) -> None:
         self._stop.set()
         self._wakeup.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.close(timeout=30)
 
     async def drain(self, timeout: float) -> bool:
         """Stop admitting and wait until every accepted request has ended. True when idle in time."""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stallfree.engine.engine import LLMEngine
-from stallfree.engine.server.async_engine import AsyncEngine
+from stallfree.engine.server.async_engine import AsyncEngine, EngineThread
 from stallfree.engine.server.errors import Forbidden, NotFound, NotReady, Unauthorized
 from stallfree.engine.server.iteration_log import IterationLog
 from stallfree.engine.server.metrics import PrometheusMetrics
@@ -58,9 +58,11 @@ class ServerState:
         self._load_task = asyncio.create_task(self._load())
 
     async def _load(self) -> None:
+        thread = EngineThread()  # builds the engine, then steps it (see EngineThread's note)
         try:
-            engine = await asyncio.to_thread(self.engine_factory)
+            engine = await asyncio.wrap_future(thread.submit(self.engine_factory))
         except Exception as e:  # noqa: BLE001 - reported through /ready and the log, then the server exits
+            thread.close(timeout=0)
             logger.exception("loading the model failed")
             self.load_error = f"{type(e).__name__}: {e}"
             if self.on_fatal is not None:
@@ -73,7 +75,7 @@ class ServerState:
         if self.settings.iteration_log:
             self.iteration_log = IterationLog(self.settings.iteration_log)
             observers.append(self.iteration_log)
-        self.engine = AsyncEngine(engine, self.settings.traffic, FanOut(*observers))
+        self.engine = AsyncEngine(engine, self.settings.traffic, FanOut(*observers), thread)
         self.engine.start()
         logger.info("serving %s on http://%s:%d", self.model_name, self.settings.host, self.settings.port)
 

@@ -70,9 +70,11 @@ def start_server(
     policy: str = "sarathi",
     drain_timeout_s: float = 10.0,
     enable_prefix_caching: bool = True,
+    on_build=None,
     **engine_kw,
 ) -> LiveServer:
-    """engine_kw: more EngineConfig fields (e.g. dtype, quantization) for the engine."""
+    """engine_kw: more EngineConfig fields (e.g. dtype, quantization) for the engine. on_build(engine), if
+    given, is called with the new engine in the server's build (the engine factory, on its thread)."""
     config = parse_traffic_config(traffic or {})
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, tunables=config.tunables()),
@@ -86,7 +88,13 @@ def start_server(
         traffic=config,
         drain_timeout_s=drain_timeout_s,
     )
-    app = build_app(settings, lambda: LLMEngine(engine_config, loaded=loaded))
+    def build() -> LLMEngine:
+        engine = LLMEngine(engine_config, loaded=loaded)
+        if on_build is not None:
+            on_build(engine)
+        return engine
+
+    app = build_app(settings, build)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

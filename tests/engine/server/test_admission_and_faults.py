@@ -4,6 +4,7 @@ failures (500 / SSE error event) and a dead engine loop (503)."""
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -199,3 +200,30 @@ def test_disconnect_before_the_stream_starts_still_aborts(server):
     assert wait_for(lambda: _idle(server)), "the request kept running after its client left"
     # The handler counted itself done, so a drain would not wait for it forever.
     assert wait_for(lambda: server.state.engine.num_in_flight == 0)
+
+
+def test_the_engine_is_stepped_on_the_thread_that_built_it(default_model):
+    """Torch's OpenMP pool belongs to the thread that first runs a parallel region: a server that builds
+    the model on one thread and steps it on another keeps two pools, and on a small box every kernel call
+    then sleeps and is woken (a batch-1 decode step 11 -> 36 ms on 2 cores; docs/engine.md)."""
+    built: list[int] = []
+    stepped: set[int] = set()
+
+    def spy(engine) -> None:
+        built.append(threading.get_ident())
+        step = engine.step
+
+        def recorded_step():
+            stepped.add(threading.get_ident())
+            return step()
+
+        engine.step = recorded_step
+
+    s = start_server(default_model, on_build=spy)
+    try:
+        r = _post(s.url, {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        s.stop()
+    assert len(built) == 1 and built[0] != threading.get_ident()
+    assert stepped == {built[0]}, "the engine loop ran on another thread than the one that built the engine"
