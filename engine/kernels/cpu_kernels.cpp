@@ -296,6 +296,21 @@ inline float ordered_sum(const float* a, int64_t n) {
 inline __m256i first_n(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+
+// f(i, load, store) for i = 0, 8, 16, ... < n: plain 8-lane loads and stores while 8 elements remain, masked
+// ones for the last 1..7 only (a masked store is microcoded on AMD's cores, tens of cycles). Lanes past n
+// load as 0 and are never stored; each lane's result is the same in either form.
+template <typename F>
+inline void each8(int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    f(i, [](const float* p) { return _mm256_loadu_ps(p); }, [](float* p, __m256 v) { _mm256_storeu_ps(p, v); });
+  if (i < n) {
+    const __m256i k = first_n(n - i);
+    f(i, [k](const float* p) { return _mm256_maskload_ps(p, k); },
+      [k](float* p, __m256 v) { _mm256_maskstore_ps(p, k, v); });
+  }
+}
 #endif
 
 // s[i] = exp(s[i] - mx) for i < n. With AVX-512: 16 at a time (a masked tail), Cephes' expf polynomial
@@ -348,13 +363,11 @@ inline void silu_mul_tile(float* g, const float* u, int64_t n) {
   }
 #elif defined(SF_AVX2)
   const __m256 one = _mm256_set1_ps(1.f);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i k = first_n(std::min<int64_t>(8, n - i));
-    const __m256 x = _mm256_maskload_ps(g + i, k);
+  each8(n, [&](int64_t i, auto load, auto store) {
+    const __m256 x = load(g + i);
     const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
-    const __m256 y = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_maskload_ps(u + i, k));
-    _mm256_maskstore_ps(g + i, k, y);
-  }
+    store(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), load(u + i)));
+  });
 #else
   for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 #endif
@@ -370,13 +383,28 @@ inline void exp_shifted(float* s, int64_t n, float mx) {
   }
 #elif defined(SF_AVX2)
   const __m256 m = _mm256_set1_ps(mx);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i k = first_n(std::min<int64_t>(8, n - i));
-    _mm256_maskstore_ps(s + i, k, exp256(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), m)));
-  }
+  each8(n, [&](int64_t i, auto load, auto store) { store(s + i, exp256(_mm256_sub_ps(load(s + i), m))); });
 #else
   for (int64_t i = 0; i < n; ++i) s[i] = std::exp(s[i] - mx);
 #endif
+}
+
+// The largest of s[0 .. n-1] (n >= 1). Exact whatever the grouping, so vector lanes may take it in any order.
+inline float max_of(const float* s, int64_t n) {
+  int64_t i = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+#ifdef SF_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    mx = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
 }
 
 // ---- decode attention over the paged cache ----------------------------------------------------------
@@ -421,10 +449,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       std::vector<float> denom(G);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        exp_shifted(sg, len, mx);
+        exp_shifted(sg, len, max_of(sg, len));
         denom[g] = ordered_sum(sg, len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -651,9 +676,7 @@ void rows_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const a
       for (int64_t v = 0; v < NV; ++v) {
         const int64_t len = lp[d0 + v / G];
         float* sv = scores + v * Lpad;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sv[t]);
-        exp_shifted(sv, len, mx);
+        exp_shifted(sv, len, max_of(sv, len));
         denom[v] = ordered_sum(sv, len);
       }
       // Weighted values, 16 keys at a time, each row over its own keys in ascending order.
