@@ -24,6 +24,7 @@ from stallfree.engine.attention.backend import AttentionBackend
 from stallfree.engine.attention.batch import DeviceBatch
 from stallfree.engine.attention.kv_cache import KVCache
 from stallfree.engine.decode_groups import decode_groups
+from stallfree.engine.model.cpu_stack import PagedRows
 from stallfree.engine.model.llama import AttentionFn
 
 
@@ -147,6 +148,10 @@ class TorchBackend(AttentionBackend):
                 out[sl] = self._prefill(q[sl], kf[p.kv_slots], vf[p.kv_slots], p.context_len)
             return out
 
+        if paged and store:  # a packed CPU model may then run its layers in one call (model/cpu_stack.py)
+            attend.paged_rows = PagedRows(
+                cache.k, cache.v, meta.slot_mapping, meta.decode_tables, meta.decode_lens, self.scale
+            )
         return attend
 
     def _decode(self, q, keys, vals, mask) -> torch.Tensor:

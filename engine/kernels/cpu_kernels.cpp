@@ -1575,6 +1575,58 @@ at::Tensor packed_linear_scalar(const at::Tensor& x, int64_t kind, const at::Ten
   return linear_impl(x, kind, weight, scale, minv, bias, out_features, true);
 }
 
+// ---- the decoder stack in one call ---------------------------------------------------------------
+
+// Every layer of a Llama-style decoder over one batch, the same kernel calls in the same order as the
+// Python fused path (LlamaDecoderLayer.forward_fused with the cpu backend's paged-rows attention), so the
+// bits are the same; what goes is the Python between them (~11 op calls and their glue per layer, a third
+// of a batch-1 decode step on a 2-core box). Per layer l: norms[2l] / norms[2l + 1] (input and
+// post-attention RMSNorm weights, in x's dtype), linears 4l .. 4l + 3 (qkv, o, gate_up, down as
+// packed_linear's weight, scale, minv, bias, kind, out_features); norms[2L] the final norm.
+// Returns the final norm's output (T, C).
+at::Tensor decoder_stack(const at::Tensor& x0, const at::Tensor& positions, const at::Tensor& cos_cache,
+                         const at::Tensor& sin_cache, at::TensorList norms, double eps, at::TensorList weights,
+                         at::TensorList scales, at::TensorList mins,
+                         const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef kinds,
+                         at::IntArrayRef outs, at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         int64_t num_heads, int64_t num_kv_heads, double scale) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(L >= 1 && static_cast<int64_t>(v_caches.size()) == L, "need one K and one V cache per layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1, "need 2 norms per layer and a final one, got ",
+              norms.size(), " for ", L, " layers");
+  const auto n = static_cast<size_t>(4 * L);
+  TORCH_CHECK(weights.size() == n && scales.size() == n && mins.size() == n && biases.size() == n &&
+                  kinds.size() == n && outs.size() == n,
+              "need 4 linear layers (qkv, o, gate_up, down) per layer");
+  TORCH_CHECK(x0.dim() == 2, "x must be (T, C), got ", x0.sizes());
+  const int64_t T = x0.size(0), hd = k_caches[0].size(3);
+  const int64_t q_size = num_heads * hd, kv_size = num_kv_heads * hd;
+  auto linear = [&](const at::Tensor& h, int64_t i) {
+    return packed_linear(h, kinds[i], weights[i], scales[i], mins[i], biases.get(i), outs[i]);
+  };
+  at::Tensor x = x0;
+  c10::optional<at::Tensor> residual;
+  for (int64_t l = 0; l < L; ++l) {
+    auto [h, res] = add_rmsnorm(x, residual, norms[2 * l], eps);
+    const at::Tensor qkv = linear(h, 4 * l);
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", l, ": qkv has ", qkv.size(1), " columns, not ",
+                q_size + 2 * kv_size);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, hd});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, hd});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, hd});
+    rope_(q, k, positions, cos_cache, sin_cache);
+    const at::Tensor& kc = k_caches[l];
+    const at::Tensor& vc = v_caches[l];
+    store_kv(k, v, kc.view({-1, kc.size(2), kc.size(3)}), vc.view({-1, vc.size(2), vc.size(3)}), slot_mapping);
+    // NOTE: after the store: a chunk's rows see the chunk's earlier keys in the cache
+    const at::Tensor out = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale);
+    std::tie(h, residual) = add_rmsnorm(linear(out.reshape({T, q_size}), 4 * l + 1), res, norms[2 * l + 1], eps);
+    x = linear(silu_and_mul(linear(h, 4 * l + 2)), 4 * l + 3);
+  }
+  return std::get<0>(add_rmsnorm(x, residual, norms[2 * L], eps));
+}
+
 // Which instructions this build's kernels use, for the engine's log and the benchmarks' records.
 std::string kernel_isa() {
 #if defined(SF_Q_VNNI512)
@@ -1620,6 +1672,11 @@ TORCH_LIBRARY(stallfree_cpu, m) {
   m.def("pack_weights(Tensor codes, int bits) -> Tensor");
   m.def("unpack_weights(Tensor packed, int bits, int K) -> Tensor");
   m.def("kernel_isa() -> str");
+  m.def(
+      "decoder_stack(Tensor x, Tensor positions, Tensor cos_cache, Tensor sin_cache, Tensor[] norms, float eps, "
+      "Tensor[] weights, Tensor[] scales, Tensor[] mins, Tensor?[] biases, int[] kinds, int[] outs, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "int num_heads, int num_kv_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
@@ -1632,6 +1689,7 @@ TORCH_LIBRARY_IMPL(stallfree_cpu, CPU, m) {
   m.impl("packed_linear_scalar", &packed_linear_scalar);
   m.impl("pack_weights", &pack_weights);
   m.impl("unpack_weights", &unpack_weights);
+  m.impl("decoder_stack", &decoder_stack);
 }
 
 TORCH_LIBRARY_IMPL(stallfree_cpu, CompositeExplicitAutograd, m) { m.impl("kernel_isa", &kernel_isa); }

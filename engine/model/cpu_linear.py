@@ -165,6 +165,9 @@ def pack_for_cpu(model: nn.Module, quantization: str = "none") -> nn.Module:
             setattr(owner, name, PackedLinear(lin.weight, lin.bias, quantization))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.logits_proj = PackedLinear(head, None, "none" if quantization == "none" else "int8")
+    from stallfree.engine.model.cpu_stack import CpuStack  # noqa: PLC0415 - it builds on this module
+
+    model.cpu_stack = CpuStack.of(model)
     ops = model.logits_proj.ops
     logger.info(
         "linear layers packed for the CPU: %s weights, bf16 activations (kernels: %s)",

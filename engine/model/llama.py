@@ -32,6 +32,8 @@ class AttentionFn(Protocol):
     q `(T, nh, hd)`, k and v `(T, nkv, hd)`. It must store k/v in its cache and return `(T, nh, hd)`:
     each token attending to its own request's history plus the causal part of the current chunk.
     K/V heads are not repeated for grouped-query attention: query head h reads kv head h // (nh // nkv).
+    It may carry `paged_rows` (cpu_stack.PagedRows): then a packed CPU model may run its layers in one C++
+    call that stores and attends with those caches and tables itself.
     """
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -258,8 +260,10 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config)
-        # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups).
+        # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups),
+        # and the layers as one C++ call (cpu_stack.CpuStack) where the model allows it.
         self.logits_proj: nn.Module | None = None
+        self.cpu_stack = None
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, attn: AttentionFn, kernels: ModuleType | None = None
@@ -275,6 +279,9 @@ class LlamaForCausalLM(nn.Module):
         C++ ones on the CPU), or None for plain torch ops (the reference path).
         """
         x = self.model.embed_tokens(input_ids)  # (T, C)
+        rows = getattr(attn, "paged_rows", None)  # the cpu backend's every-row paged attention
+        if self.cpu_stack is not None and rows is not None and x.dtype == torch.bfloat16:
+            return self.cpu_stack(x, positions, rows)  # the fused path below, bit for bit, from C++
         if kernels is not None:
             residual = None
             for layer in self.model.layers:

@@ -88,6 +88,7 @@ def start_server(
         traffic=config,
         drain_timeout_s=drain_timeout_s,
     )
+
     def build() -> LLMEngine:
         engine = LLMEngine(engine_config, loaded=loaded)
         if on_build is not None:
