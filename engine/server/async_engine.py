@@ -42,7 +42,7 @@ class EngineThread:
     first parallel region, so a model loaded on one thread (asyncio.to_thread's) and stepped on another
     leaves two pools, more OpenMP threads than cores, and then libgomp stops spinning between parallel
     regions: every kernel call sleeps and is woken. On a 2-core box that made a batch-1 decode step
-    36 ms instead of 11 ms (docs/engine.md, *The server's engine thread*)."""
+    36 ms instead of 11 ms (docs/engine.md, *The server stepped the engine on a second thread*)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = (
