@@ -60,6 +60,12 @@ class SchedulerConfig:
     # sarathi only: put decodes in the same batch as prefill chunks (False = the paper's "chunking only"
     # ablation: prefill chunks and decodes take turns).
     hybrid_batching: bool = True
+    # sarathi only: a prefill chunk's charge against the token budget grows with the context it attends
+    # over. With C set, a chunk of n tokens after s computed ones costs n * (1 + (s + (n - 1) / 2) / C)
+    # budget tokens, so chunks deep in a long prompt are shorter and an iteration takes about what the
+    # budget buys at the start of a prompt. C is the context at which a token's attention costs as much as
+    # the rest of its forward pass (`stallfree tune` measures it). None: the paper's plain token count.
+    chunk_context_scale: int | None = None
     tunables: SchedulerTunables = field(default_factory=SchedulerTunables)
 
     def __post_init__(self) -> None:
@@ -73,6 +79,10 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.chunk_align < 0:
             raise ValueError(f"chunk_align must be >= 0, got {self.chunk_align}")
+        if self.chunk_context_scale is not None and (
+            not isinstance(self.chunk_context_scale, int) or self.chunk_context_scale < 1
+        ):
+            raise ValueError(f"chunk_context_scale must be a positive integer, got {self.chunk_context_scale!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,8 @@ class LLM:
     the shape, a name in stallfree.engine.model.dummy.SHAPES (None = smollm2-135m) or an HF config.json
     (or a folder holding one), as vLLM's dummy format takes the model for its config. For benchmarks.
     policy: sarathi (stall-free batching), vllm, orca or static. token_budget caps the tokens of one
-    iteration (sarathi); chunk_align rounds prefill chunks to a tile. tensor_parallel_size and
+    iteration (sarathi); chunk_align rounds prefill chunks to a tile; chunk_context_scale charges a chunk for
+    the context it attends over (SchedulerConfig). tensor_parallel_size and
     pipeline_parallel_size > 1 run the model in T x P worker processes (see docs/parallelism.md).
     attention_backend: auto (CUDA: the Triton kernels in bf16/fp16, torch in fp32; CPU: the C++ kernels of
     stallfree.engine.kernels.cpu_fused, or torch where they cannot be built), torch (the plain-torch
@@ -56,6 +57,7 @@ class LLM:
         load_format: str = "auto",
         max_model_len: int | None = None,
         chunk_align: int = 0,
+        chunk_context_scale: int | None = None,
         hybrid_batching: bool = True,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
@@ -91,6 +93,7 @@ class LLM:
                 policy=policy,
                 max_num_seqs=max_num_seqs,
                 chunk_align=chunk_align,
+                chunk_context_scale=chunk_context_scale,
                 hybrid_batching=hybrid_batching,
                 tunables=SchedulerTunables(token_budget=token_budget, clusters=tuple(traffic_clusters)),
             ),

@@ -8,6 +8,7 @@ Policies (SchedulerConfig.policy):
   sarathi  stall-free batching: running decodes first (one token each), then running partial prefills, then
            new requests, each chunk = min(remaining prompt, leftover budget, cluster chunk cap), optionally
            tile-aligned; several prefill chunks may share a batch; the budget may change between iterations.
+           With chunk_context_scale C, a chunk is charged for the context it attends over (chunk_charge).
   vllm     the paper's baseline: whole prompts first in prefill-only batches; decodes wait for them.
   orca     decodes plus whole new prompts in one batch, no token cap.
   static   request-level batching: a batch is admitted together and runs until all of it finishes.
@@ -77,6 +78,29 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def chunk_charge(n: int, start: int, scale: int | None) -> int:
+    """What a prefill chunk of n tokens after `start` computed ones costs of the token budget: n, or with a
+    context scale C, n * (1 + (start + (n - 1) / 2) / C) rounded up (its tokens' mean context over C)."""
+    if scale is None or n == 0:
+        return n
+    return n + -(-n * (2 * start + n - 1) // (2 * scale))
+
+
+def fit_chunk(left: int, start: int, scale: int | None) -> int:
+    """The most tokens a chunk after `start` computed ones may have with `left` of the budget."""
+    if scale is None or left < 1:
+        return max(left, 0)
+    # chunk_charge is increasing in n: start from the real root of n^2 + (2 C + 2 s - 1) n = 2 C left
+    b = 2 * scale + 2 * start - 1
+    n = int((-b + (b * b + 8 * scale * left) ** 0.5) / 2)
+    n = max(min(n, left), 0)
+    while n < left and chunk_charge(n + 1, start, scale) <= left:
+        n += 1
+    while n > 0 and chunk_charge(n, start, scale) > left:
+        n -= 1
+    return n
+
+
 @dataclass(slots=True)
 class _Batch:
     """Accumulates one iteration's chunks and what they use of the budget."""
@@ -94,10 +118,10 @@ class _Batch:
     def left(self) -> int:
         return 1 << 62 if self.budget is None else self.budget - self.used
 
-    def add(self, req: Request, n: int) -> None:
+    def add(self, req: Request, n: int, charge: int | None = None) -> None:
         self.chunks.append((req, n))
         self.scheduled.add(req.request_id)
-        self.used += n
+        self.used += n if charge is None else charge
         if not req.in_decode:
             self.cluster_prefill[req.traffic_cluster] = self.cluster_prefill.get(req.traffic_cluster, 0) + n
 
@@ -184,7 +208,7 @@ class Scheduler:
         remaining = req.num_pending_tokens
         if whole:
             return remaining if remaining <= batch.left else 0
-        n = min(remaining, batch.left)
+        n = min(remaining, fit_chunk(batch.left, req.num_computed_tokens, self.config.chunk_context_scale))
         limits = self.tunables.cluster(req.traffic_cluster)
         if limits is not None and limits.chunk_cap is not None:
             n = min(n, limits.chunk_cap - batch.cluster_prefill.get(req.traffic_cluster, 0))
@@ -192,6 +216,10 @@ class Scheduler:
         if align and n < remaining:
             n -= n % align
         return max(n, 0)
+
+    def _charge(self, req: Request, n: int, whole: bool) -> int:
+        # NOTE: called before the chunk is computed: num_computed_tokens is where it starts
+        return n if whole else chunk_charge(n, req.num_computed_tokens, self.config.chunk_context_scale)
 
     def _preempt(self, req: Request, batch: _Batch) -> None:
         self.running.remove(req)
@@ -312,7 +340,7 @@ class Scheduler:
             if n == 0:
                 continue
             if self._allocate_running(req, req.num_computed_tokens + n, batch):
-                batch.add(req, n)
+                batch.add(req, n, self._charge(req, n, whole))
 
     def _admit_waiting(self, batch: _Batch, whole: bool) -> None:
         bm = self.block_manager
@@ -356,7 +384,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.add(req, n)
+            batch.add(req, n, self._charge(req, n, whole))
 
     # ---- policies ------------------------------------------------------------------------------------
     def _schedule_sarathi(self) -> _Batch:

@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "traffic clusters file's tokenBudget overrides it")  # fmt: skip
     s.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     s.add_argument("--chunk-align", type=int, default=0, help="round prefill chunks to this tile (0 = off)")
+    s.add_argument("--chunk-context-scale", type=int, default=None, metavar="C",
+                   help="sarathi: charge a prefill chunk for the context it attends over, n x (1 + mean "
+                   "context / C) budget tokens, so chunks deep in long prompts shrink and iterations keep "
+                   "their time; C = the context at which a token's attention costs as much as the rest of its "
+                   "forward pass (`stallfree tune` measures it; default: off, the plain token count)")  # fmt: skip
     s.add_argument("--no-hybrid-batching", dest="hybrid_batching", action="store_false",
                    help="sarathi only: prefill chunks and decodes take turns instead of sharing iterations "
                    "(the paper's chunking-only ablation)")  # fmt: skip
@@ -274,6 +279,7 @@ def build_configs(args: argparse.Namespace):
             max_num_seqs=args.max_num_seqs,
             chunk_align=traffic.chunk_align,
             hybrid_batching=args.hybrid_batching,
+            chunk_context_scale=args.chunk_context_scale,
             tunables=traffic.tunables(),
         ),
         cache=CacheConfig(

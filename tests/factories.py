@@ -24,6 +24,7 @@ def make_scheduler(
     hybrid_batching: bool = True,
     clusters: tuple[TrafficClusterLimits, ...] = (),
     prefix_caching: bool = False,
+    chunk_context_scale: int | None = None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         policy=policy,
@@ -31,6 +32,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         chunk_align=chunk_align,
         hybrid_batching=hybrid_batching,
+        chunk_context_scale=chunk_context_scale,
         tunables=SchedulerTunables(token_budget=token_budget, clusters=clusters),
     )
     return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))

@@ -175,6 +175,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             max_num_seqs=args.max_num_seqs,
             num_kv_blocks=args.num_kv_blocks,
             chunk_align=args.chunk_align,
+            chunk_context_scale=args.chunk_context_scale,
             model=args.model,
             load_format=args.load_format,
             threads=args.threads,

@@ -32,6 +32,7 @@ class ServerSpec:
     max_num_seqs: int = 128
     num_kv_blocks: int | None = None
     chunk_align: int = 0
+    chunk_context_scale: int | None = None
     model: str | None = None
     load_format: str = "auto"  # "dummy": random weights of the shape `model` names (stallfree serve --shape)
     threads: int = 1  # torch CPU threads (OMP_NUM_THREADS)
@@ -48,6 +49,8 @@ class ServerSpec:
                "--chunk-align", str(self.chunk_align), "--log-level", "warning"]  # fmt: skip
         if self.num_kv_blocks:
             cmd += ["--num-kv-blocks", str(self.num_kv_blocks)]
+        if self.chunk_context_scale:
+            cmd += ["--chunk-context-scale", str(self.chunk_context_scale)]
         if self.model:
             cmd += ["--model", self.model]
         if self.load_format != "auto":

@@ -68,6 +68,7 @@ class SimConfig:
     block_size: int = 16
     max_model_len: int = 8192
     chunk_align: int = 0
+    chunk_context_scale: int | None = None  # stallfree serve --chunk-context-scale
     overhead_s: float = 0.0  # per-iteration time outside the profiled engine step (server loop, streaming)
     contention: float = 1.0  # multiply the cost model's (idle-box) time: how much slower a shared box runs
     enable_prefix_caching: bool = True  # as `stallfree serve` (the same block manager, so the same hits)
@@ -79,6 +80,7 @@ class SimConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             chunk_align=self.chunk_align,
+            chunk_context_scale=self.chunk_context_scale,
             hybrid_batching=hybrid,
             tunables=SchedulerTunables(token_budget=self.token_budget),
         )

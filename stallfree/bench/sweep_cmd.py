@@ -113,7 +113,8 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
         mine = [b for p, b in configs if p == policy]
         label = config_label(policy, caching)
         spec = ServerSpec(policy=policy, token_budget=mine[0], max_num_seqs=args.max_num_seqs,
-                          num_kv_blocks=args.num_kv_blocks, chunk_align=args.chunk_align, model=args.model,
+                          num_kv_blocks=args.num_kv_blocks, chunk_align=args.chunk_align,
+                          chunk_context_scale=args.chunk_context_scale, model=args.model,
                           load_format=args.load_format, threads=args.threads,
                           extra_args=iteration_log_args(args.iteration_logs, out, label),
                           prefix_caching=caching)  # fmt: skip

@@ -7,6 +7,12 @@ budget is the largest tile-aligned budget whose worst iteration is predicted to 
 margin). Its price is TTFT: a prompt is prefilled over more, smaller chunks; the predicted prefill time of a
 --prompt-len prompt next to the decodes is reported for every budget, against one-shot prefill.
 
+--chunk-context-scale auto (or a number) tunes for `stallfree serve --chunk-context-scale C`, which charges a
+chunk for the context it attends over, so chunks deep in a prompt are shorter: every chunk of the
+--prompt-len prompt is then checked, not only the deepest full one, and "auto" reads C off the cost model
+(the context at which a prefill token's attention costs as much as the rest of its forward pass). Iterations
+then cost about the same at any depth, so a larger budget meets the same SLO and short prompts prefill faster.
+
 Output (--out): tune.json and tune.png (predicted iteration time and TTFT vs budget).
 """
 
@@ -18,32 +24,63 @@ from pathlib import Path
 
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.costmodel.fitted import FittedCostModel
+from stallfree.engine.scheduler import fit_chunk
+
+
+def context_scale(cost: FittedCostModel, chunk: int = 256, context: int = 2048) -> int | None:
+    """C for --chunk-context-scale from the cost model: with a chunk's time n (a + k x its mean context), the
+    context a / k at which a token's attention costs as much as the rest of it. None when the model has no
+    context term (attention free of context, nothing to charge)."""
+    base = cost.iteration_time(0, 0, 0, 0)
+    shallow = cost.iteration_time(chunk, 0, 0, 0) - base
+    deep = cost.iteration_time(chunk, 0, context, 0) - base  # context more
+    if shallow <= 0 or deep <= shallow:
+        return None
+    k = (deep - shallow) / (chunk * context)
+    a = shallow / chunk - k * (chunk + 1) / 2  # the features' mean context of a chunk at 0
+    return max(1, round(a / k)) if a > 0 else None
+
+
+def chunk_starts(budget: int, decodes: int, prompt_len: int, scale: int | None) -> list[tuple[int, int]]:
+    """(start, full chunk) of each iteration prefilling a prompt_len prompt next to `decodes` decodes: the
+    chunk the budget allows at that start (the last may take less of the prompt; others fill the rest)."""
+    left, out, done = budget - decodes, [], 0
+    while left > 0 and done < prompt_len:
+        n = fit_chunk(left, done, scale)
+        if n < 1:
+            break
+        out.append((done, n))
+        done += n
+    return out
 
 
 def worst_iteration(
-    cost: FittedCostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
-) -> float:
+    cost: FittedCostModel, budget: int, decodes: int, decode_context: int, prompt_len: int,
+    scale: int | None = None,
+) -> float:  # fmt: skip
     """Predicted time of a full iteration: `decodes` decodes + prefill filling the rest of the budget (from
-    several prompts when one is shorter), the deepest chunk ending a prompt_len-token prompt."""
+    several prompts when one is shorter), the deepest chunk ending a prompt_len-token prompt; with a context
+    scale, the slowest of the prompt's chunks (each as long as its charge allows)."""
     chunk = max(0, budget - decodes)
-    return cost.iteration_time(chunk, decodes, max(0, prompt_len - chunk), decode_context)
+    if scale is None:
+        return cost.iteration_time(chunk, decodes, max(0, prompt_len - chunk), decode_context)
+    return max(
+        (cost.iteration_time(n, decodes, s, decode_context) for s, n in chunk_starts(budget, decodes, prompt_len, scale)),
+        default=cost.iteration_time(0, decodes, 0, decode_context),
+    )  # fmt: skip
 
 
 def prefill_time(
-    cost: FittedCostModel, budget: int, decodes: int, decode_context: int, prompt_len: int
-) -> tuple[float, int]:
+    cost: FittedCostModel, budget: int, decodes: int, decode_context: int, prompt_len: int,
+    scale: int | None = None,
+) -> tuple[float, int]:  # fmt: skip
     """Predicted time to prefill a prompt_len prompt in budget-sized chunks alongside `decodes` decodes.
     Returns (seconds, number of iterations); inf when the budget leaves no room for prefill."""
-    per_iter = budget - decodes
-    if per_iter <= 0:
+    chunks = chunk_starts(budget, decodes, prompt_len, scale)
+    if not chunks or sum(n for _, n in chunks) < prompt_len:
         return float("inf"), 0
-    t, done, n = 0.0, 0, 0
-    while done < prompt_len:
-        chunk = min(per_iter, prompt_len - done)
-        t += cost.iteration_time(chunk, decodes, done, decode_context)
-        done += chunk
-        n += 1
-    return t, n
+    t = sum(cost.iteration_time(min(n, prompt_len - s), decodes, s, decode_context) for s, n in chunks)
+    return t, len(chunks)
 
 
 def slo_from_decode(cost: FittedCostModel, multiple: float, decodes: int, context: int) -> float:
@@ -64,15 +101,17 @@ def tune(
     align: int = 32,
     max_budget: int = 4096,
     margin: float = 1.0,
+    scale: int | None = None,
 ) -> dict:
-    """Every tile-aligned budget's predicted cost, and the largest one meeting the SLO."""
+    """Every tile-aligned budget's predicted cost, and the largest one meeting the SLO (chunks charged for
+    their context when `scale` is given: stallfree serve --chunk-context-scale)."""
     if slo <= 0 or align < 1 or max_budget < align or not 0 < margin <= 1:
         raise ValueError("need --tbt-slo > 0, --align >= 1, --max-budget >= --align and 0 < --margin <= 1")
     one_shot = cost.iteration_time(prompt_len, decodes, 0, decode_context)
     rows = []
     for b in range(align, max_budget + 1, align):
-        it = worst_iteration(cost, b, decodes, decode_context, prompt_len)
-        ttft, n = prefill_time(cost, b, decodes, decode_context, prompt_len)
+        it = worst_iteration(cost, b, decodes, decode_context, prompt_len, scale)
+        ttft, n = prefill_time(cost, b, decodes, decode_context, prompt_len, scale)
         rows.append(
             {
                 "budget": b,
@@ -92,6 +131,7 @@ def tune(
         "decodes": decodes,
         "decode_context": decode_context,
         "prompt_len": prompt_len,
+        "chunk_context_scale": scale,
         "align": align,
         "decode_only_iteration_s": decode_only,
         "one_shot_prefill_s": one_shot,
@@ -107,6 +147,25 @@ def tune(
         ),
         "budgets": rows,
     }
+
+
+def _scale_arg(value: str | None, cost: FittedCostModel) -> int | None:
+    """--chunk-context-scale: None (off), "auto" (from the cost model) or a positive integer."""
+    if value is None:
+        return None
+    if value == "auto":
+        scale = context_scale(cost)
+        if scale is None:
+            raise ValueError("the cost model has no prefill-context term: --chunk-context-scale auto has nothing "
+                             "to charge (give a number, or leave it off)")  # fmt: skip
+        return scale
+    try:
+        scale = int(value)
+    except ValueError:
+        scale = 0
+    if scale < 1:
+        raise ValueError(f"--chunk-context-scale must be 'auto' or a positive integer, got {value!r}")
+    return scale
 
 
 def _plot(res: dict, out: Path) -> Path:
@@ -155,12 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--align", type=int, default=32, help="tile: budgets are multiples of this")
     ap.add_argument("--max-budget", type=int, default=4096)
     ap.add_argument("--margin", type=float, default=0.9, help="meet margin x SLO, leaving room for noise")
+    ap.add_argument("--chunk-context-scale", default=None, metavar="auto|C",
+                    help="tune for stallfree serve --chunk-context-scale C (chunks charged for their context); "
+                    "auto: C from the cost model (default: off, the plain token count)")  # fmt: skip
     ap.add_argument("--out", default="results/tune", help="folder for tune.json and tune.png")
     args = ap.parse_args(argv)
     try:
         cost = FittedCostModel.load(args.cost_model)
         if args.tbt_slo_x is not None:
             args.tbt_slo = slo_from_decode(cost, args.tbt_slo_x, args.slo_decodes, args.slo_context)
+        scale = _scale_arg(args.chunk_context_scale, cost)
         res = tune(
             cost,
             args.tbt_slo,
@@ -170,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             align=args.align,
             max_budget=args.max_budget,
             margin=args.margin,
+            scale=scale,
         )
     except ValueError as e:
         print(f"stallfree tune: {e}", file=sys.stderr)
@@ -211,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             f"\ntoken budget: {c['budget']} (predicted full iteration {c['iteration_s'] * 1e3:.1f} ms; "
             f"prefill of {args.prompt_len} tokens {c['prefill_s']:.3f} s = {c['ttft_cost_vs_one_shot']:.2f}x one-shot)"
         )
+        flags = f"--token-budget {c['budget']}" + (f" --chunk-context-scale {scale}" if scale else "")
+        print(f"serve with: stallfree serve {flags}")
     else:
         print(f"\nno budget meets the SLO: {res['note']}")
     print(f"saved {path} and {png}")

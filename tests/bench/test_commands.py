@@ -28,6 +28,24 @@ def test_tune_picks_the_largest_aligned_budget_under_the_slo():
     assert not tune.tune(cost, 0.01, decodes=16, decode_context=256, prompt_len=1024)["feasible"]
 
 
+def test_tune_with_a_context_scale_checks_every_chunk_and_affords_a_larger_budget():
+    cost = make_cost_model(prefill_attn=1e-6)  # a token's attention as dear as the rest of it at 500 context
+    scale = tune.context_scale(cost)
+    assert scale == pytest.approx(500, rel=0.02)
+    kw = {"decodes": 16, "decode_context": 256, "prompt_len": 2048, "align": 32, "margin": 1.0}
+    plain, charged = tune.tune(cost, 0.2, **kw), tune.tune(cost, 0.2, scale=scale, **kw)
+    b = charged["token_budget"]
+    assert b > plain["token_budget"]
+    # the charged budget's every chunk of the prompt meets the SLO, the next budget's does not
+    times = [cost.iteration_time(n, 16, s, 256) for s, n in tune.chunk_starts(b, 16, 2048, scale)]
+    assert max(times) == charged["chosen"]["iteration_s"] <= 0.2
+    assert tune.worst_iteration(cost, b + 32, 16, 256, 2048, scale) > 0.2
+    # uncharged, the same budget's last chunk would not
+    assert tune.worst_iteration(cost, b, 16, 256, 2048) > 0.2
+    assert sum(n for _, n in tune.chunk_starts(b, 16, 2048, scale)) >= 2048
+    assert tune.context_scale(make_cost_model(prefill_attn=0.0)) is None
+
+
 def test_tune_and_simulate_commands_write_json_and_plots(tmp_path, capsys):
     cost_path = tmp_path / "cost.json"
     make_cost_model().save(cost_path)
@@ -36,6 +54,13 @@ def test_tune_and_simulate_commands_write_json_and_plots(tmp_path, capsys):
         tune.main(["--tbt-slo", "0.2", "--cost-model", str(cost_path), "--out", str(tmp_path / "tune")]) == 0
     )
     assert (tmp_path / "tune" / "tune.png").stat().st_size > 0
+    assert "serve with: stallfree serve --token-budget" in capsys.readouterr().out
+    argv = ["--tbt-slo", "0.2", "--cost-model", str(cost_path), "--out", str(tmp_path / "tune2")]
+    assert tune.main([*argv, "--chunk-context-scale", "auto"]) == 0
+    assert "--chunk-context-scale 5" in capsys.readouterr().out
+    assert json.loads((tmp_path / "tune2" / "tune.json").read_text())["chunk_context_scale"] > 4000
+    assert tune.main([*argv, "--chunk-context-scale", "-3"]) == 2
+    assert "positive integer" in capsys.readouterr().err
     rc = simulate.main(["--trace", str(trace), "--cost-model", str(cost_path), "--policy", "sarathi,vllm",
                         "--token-budget", "128,256", "--num-requests", "30", "--qps", "1", "--slo-tbt", "0.1,0.5",
                         "--capacity", "--target-qps", "4", "--out", str(tmp_path / "sim")])  # fmt: skip

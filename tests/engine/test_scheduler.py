@@ -5,8 +5,9 @@ from factories import drive, make_request, make_requests, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallfree.engine.config import SchedulerTunables, TrafficClusterLimits
+from stallfree.engine.config import SchedulerConfig, SchedulerTunables, TrafficClusterLimits
 from stallfree.engine.request import RequestStatus
+from stallfree.engine.scheduler import chunk_charge, fit_chunk
 
 
 def test_sarathi_chunks_a_long_prompt_under_the_budget():
@@ -38,6 +39,54 @@ def test_chunk_alignment_rounds_all_but_the_last_chunk():
     s = make_scheduler(token_budget=100, chunk_align=32)
     outs = drive(s, make_requests([150], max_tokens=1))
     assert [o.num_prefill_tokens for o in outs] == [96, 54]
+
+
+def test_chunk_charge_counts_the_context_a_chunk_attends_over():
+    assert chunk_charge(100, 0, None) == 100 and chunk_charge(100, 5000, None) == 100  # off: plain count
+    # 100 tokens after 1000, C = 1000: mean context 1049.5, so 100 x 2.0495 -> 205 (rounded up)
+    assert chunk_charge(100, 1000, 1000) == 205
+    assert chunk_charge(1, 0, 1000) == 1 and chunk_charge(0, 500, 1000) == 0
+    for start in (0, 1, 17, 640, 4095):
+        for left in (1, 2, 31, 64, 512):
+            n = fit_chunk(left, start, 256)
+            # the largest chunk whose charge fits what is left
+            assert chunk_charge(n, start, 256) <= left < chunk_charge(n + 1, start, 256)
+
+
+def test_context_scale_shortens_chunks_deep_in_a_prompt():
+    plain = drive(make_scheduler(token_budget=64), make_requests([600], max_tokens=1))
+    charged = drive(make_scheduler(token_budget=64, chunk_context_scale=128), make_requests([600], max_tokens=1))
+    assert [o.num_prefill_tokens for o in plain] == [64] * 9 + [24]
+    sizes = [o.num_prefill_tokens for o in charged]
+    starts = [o.chunks[0].start for o in charged]
+    assert sum(sizes) == 600 and sizes[0] < 64
+    assert all(a >= b for a, b in zip(sizes[:-2], sizes[1:-1]))  # shorter as the context grows
+    assert sizes[-2] < sizes[0] // 3  # at ~550 tokens of context a token costs ~5x
+    # every iteration's charge stays within the budget, and each chunk is the largest that fits it
+    for s, n in zip(starts[:-1], sizes[:-1]):
+        assert chunk_charge(n, s, 128) <= 64 < chunk_charge(n + 1, s, 128)
+
+
+def test_context_scale_charges_a_prompt_after_a_cache_hit_from_its_cached_prefix():
+    s = make_scheduler(token_budget=64, chunk_context_scale=128, prefix_caching=True)
+    first, second = make_requests([200, 400], max_tokens=1)  # the factory's prompts share their prefix
+    drive(s, [first])
+    s.add_request(second)
+    c = s.schedule().chunks[0]
+    assert c.start >= 128  # served from the cache up to here
+    assert c.num_tokens == fit_chunk(64, c.start, 128) < 64
+
+
+def test_decodes_cost_one_token_each_with_a_context_scale():
+    s = make_scheduler(token_budget=40, chunk_context_scale=64)
+    short = make_request(4, max_tokens=50, arrival=0)
+    s.add_request(short)
+    s.schedule()
+    s.get(short.request_id).output_token_ids.append(9)
+    s.add_request(make_request(300, max_tokens=2, arrival=1))
+    out = s.schedule()
+    assert out.num_decode_tokens == 1
+    assert out.num_prefill_tokens == fit_chunk(39, 0, 64)
 
 
 def test_cluster_chunk_cap_limits_prefill_tokens_per_iteration():
@@ -170,8 +219,9 @@ POLICIES = ["sarathi", "vllm", "orca", "static"]
     align=st.sampled_from([0, 8]),
     hybrid=st.booleans(),
     caching=st.booleans(),
+    scale=st.sampled_from([None, 40]),
 )
-def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid, caching):
+def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid, caching, scale):
     block_size = 8
     max_num_seqs = 6
     budget = max(budget, max_num_seqs)  # room for every running decode
@@ -186,6 +236,7 @@ def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_block
         chunk_align=align,
         hybrid_batching=hybrid,
         prefix_caching=caching,  # the factory's prompts all share their prefix: many hits
+        chunk_context_scale=scale,
     )
     reqs = make_requests(prompt_lens, max_tokens=max_tokens)
 
@@ -194,6 +245,9 @@ def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_block
         assert len(sched.running) <= max_num_seqs
         if policy == "sarathi":
             assert out.num_tokens <= budget
+            # prefill chunks charged for their context (scale None: the plain count) stay within it too
+            charges = [1 if c.is_decode else chunk_charge(c.num_tokens, c.start, scale) for c in out.chunks]
+            assert sum(charges) <= budget
             if hybrid:
                 # Every decode that was running and was not preempted got its one token.
                 scheduled = {c.request_id for c in out.chunks}
@@ -218,3 +272,5 @@ def test_tunables_validate():
         SchedulerTunables(token_budget=0)
     with pytest.raises(ValueError, match="unique"):
         SchedulerTunables(clusters=(TrafficClusterLimits("a"), TrafficClusterLimits("a")))
+    with pytest.raises(ValueError, match="chunk_context_scale"):
+        SchedulerConfig(chunk_context_scale=0)

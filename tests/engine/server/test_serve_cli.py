@@ -99,6 +99,9 @@ def test_scheduling_flags_reach_the_engine_config():
     config, _ = build_configs(args)
     assert config.scheduler.hybrid_batching is True
     assert config.scheduler.tunables.token_budget == 96 and config.scheduler.chunk_align == 32
+    assert config.scheduler.chunk_context_scale is None  # off unless asked for
+    config, _ = build_configs(build_parser().parse_args(["--chunk-context-scale", "1331"]))
+    assert config.scheduler.chunk_context_scale == 1331
     args = build_parser().parse_args(["--no-hybrid-batching"])
     config, _ = build_configs(args)
     assert config.scheduler.hybrid_batching is False  # the paper's chunking-only ablation
