@@ -1,9 +1,10 @@
 """The first requests after readiness against the later ones: does a fresh server meet its SLOs at once?
 
     python -m experiments.warm_start [--qps 1] [--num-requests 240] [--window 120] [--seeds 0,1,2]
-        [--peer-url URL [--peer-text-prompts]] [--out results/warm-start]
+        [--token-budget 256] [--chunk-context-scale C] [--peer-url URL [--peer-text-prompts]]
+        [--out results/warm-start]
 
-For each seed a fresh `stallfree serve` (sarathi, --token-budget, --threads) is started and, as soon as it
+For each seed a fresh `stallfree serve` (sarathi, --token-budget, --chunk-context-scale, --threads) is started and, as soon as it
 answers /ready, sent --num-requests requests of the capacity protocol's workload (ShareGPT lengths x --scale,
 <= --max-output-tokens out, Poisson at --qps, seeded) with no warm-up request of any kind. Reported per seed:
 the share of requests that meet TTFT <= --slo-ttft and their own P99 TBT <= --slo-tbt among the first
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft", type=float, default=5.0, help="seconds (default %(default)s)")
     ap.add_argument("--slo-tbt", type=float, default=0.5, help="each request's P99 TBT, seconds")
     ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--chunk-context-scale", type=int, default=None, metavar="C",
+                    help="the server's --chunk-context-scale (default: off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-url", default=None, help="also send the first seed's workload to this server")
     ap.add_argument("--peer-text-prompts", action="store_true", help="prompts as text (llama.cpp's server)")
@@ -88,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     for seed in seeds:
         wl = workload_of(trace, args, a.qps, seed=seed)
-        spec = ServerSpec(
-            token_budget=a.token_budget, model=model, load_format=load_format, threads=a.threads
-        )
+        spec = ServerSpec(token_budget=a.token_budget, chunk_context_scale=a.chunk_context_scale, model=model,
+                          load_format=load_format, threads=a.threads)  # fmt: skip
         with ServerProcess(spec, out / f"server-s{seed}.log") as server:
             _, records = bench_once(server.url, wl, slo, desc=f"stallfree seed {seed}")
         results[f"stallfree-s{seed}"] = window_figures(records, a.window, slo)
