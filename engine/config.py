@@ -82,7 +82,9 @@ class SchedulerConfig:
         if self.chunk_context_scale is not None and (
             not isinstance(self.chunk_context_scale, int) or self.chunk_context_scale < 1
         ):
-            raise ValueError(f"chunk_context_scale must be a positive integer, got {self.chunk_context_scale!r}")
+            raise ValueError(
+                f"chunk_context_scale must be a positive integer, got {self.chunk_context_scale!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

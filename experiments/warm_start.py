@@ -57,8 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft", type=float, default=5.0, help="seconds (default %(default)s)")
     ap.add_argument("--slo-tbt", type=float, default=0.5, help="each request's P99 TBT, seconds")
     ap.add_argument("--token-budget", type=int, default=256)
-    ap.add_argument("--chunk-context-scale", type=int, default=None, metavar="C",
-                    help="the server's --chunk-context-scale (default: off)")
+    ap.add_argument(
+        "--chunk-context-scale",
+        type=int,
+        default=None,
+        metavar="C",
+        help="the server's --chunk-context-scale (default: off)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-url", default=None, help="also send the first seed's workload to this server")
     ap.add_argument("--peer-text-prompts", action="store_true", help="prompts as text (llama.cpp's server)")

@@ -63,8 +63,13 @@ def _server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: the server's)")
     g.add_argument("--chunk-align", type=int, default=0)
-    g.add_argument("--chunk-context-scale", type=int, default=None, metavar="C",
-                   help="the servers' --chunk-context-scale (sarathi: chunks charged for their context)")
+    g.add_argument(
+        "--chunk-context-scale",
+        type=int,
+        default=None,
+        metavar="C",
+        help="the servers' --chunk-context-scale (sarathi: chunks charged for their context)",
+    )
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads per server (OMP_NUM_THREADS)")
     g.add_argument("--iteration-logs", action="store_true", help="each server writes iterations-NAME.jsonl "
                    "next to its log: fit a cost model to it with `stallfree profile --from-log`")  # fmt: skip

@@ -221,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--num-kv-blocks", type=int, default=DEFAULT_KV_BLOCKS)
     ap.add_argument("--chunk-align", type=int, default=0, help="round prefill chunks down to this tile")
-    ap.add_argument("--chunk-context-scale", type=int, default=None, metavar="C",
-                    help="sarathi: charge chunks for their context (stallfree serve --chunk-context-scale)")
+    ap.add_argument(
+        "--chunk-context-scale",
+        type=int,
+        default=None,
+        metavar="C",
+        help="sarathi: charge chunks for their context (stallfree serve --chunk-context-scale)",
+    )
     ap.add_argument("--overhead-ms", type=float, default=0.0, help="extra time per iteration (server loop)")
     ap.add_argument("--contention", default="1", help="multiply predicted iteration times (a shared box); "
                     "'profile' = the wall/CPU factor measured while profiling")  # fmt: skip

@@ -55,15 +55,17 @@ def test_chunk_charge_counts_the_context_a_chunk_attends_over():
 
 def test_context_scale_shortens_chunks_deep_in_a_prompt():
     plain = drive(make_scheduler(token_budget=64), make_requests([600], max_tokens=1))
-    charged = drive(make_scheduler(token_budget=64, chunk_context_scale=128), make_requests([600], max_tokens=1))
+    charged = drive(
+        make_scheduler(token_budget=64, chunk_context_scale=128), make_requests([600], max_tokens=1)
+    )
     assert [o.num_prefill_tokens for o in plain] == [64] * 9 + [24]
     sizes = [o.num_prefill_tokens for o in charged]
     starts = [o.chunks[0].start for o in charged]
     assert sum(sizes) == 600 and sizes[0] < 64
-    assert all(a >= b for a, b in zip(sizes[:-2], sizes[1:-1]))  # shorter as the context grows
+    assert all(a >= b for a, b in zip(sizes[:-2], sizes[1:-1], strict=True))  # shorter as the context grows
     assert sizes[-2] < sizes[0] // 3  # at ~550 tokens of context a token costs ~5x
     # every iteration's charge stays within the budget, and each chunk is the largest that fits it
-    for s, n in zip(starts[:-1], sizes[:-1]):
+    for s, n in zip(starts[:-1], sizes[:-1], strict=True):
         assert chunk_charge(n, s, 128) <= 64 < chunk_charge(n + 1, s, 128)
 
 
@@ -221,7 +223,9 @@ POLICIES = ["sarathi", "vllm", "orca", "static"]
     caching=st.booleans(),
     scale=st.sampled_from([None, 40]),
 )
-def test_scheduler_invariants(policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid, caching, scale):
+def test_scheduler_invariants(
+    policy, prompt_lens, max_tokens, budget, num_blocks, align, hybrid, caching, scale
+):
     block_size = 8
     max_num_seqs = 6
     budget = max(budget, max_num_seqs)  # room for every running decode
