@@ -4,9 +4,10 @@
         [--token-budget 256] [--chunk-context-scale C] [--peer-url URL [--peer-text-prompts]]
         [--out results/warm-start]
 
-For each seed a fresh `stallfree serve` (sarathi, --token-budget, --chunk-context-scale, --threads) is started and, as soon as it
-answers /ready, sent --num-requests requests of the capacity protocol's workload (ShareGPT lengths x --scale,
-<= --max-output-tokens out, Poisson at --qps, seeded) with no warm-up request of any kind. Reported per seed:
+For each seed a fresh `stallfree serve` (sarathi, --token-budget, --chunk-context-scale, --threads) is started
+and, as soon as it answers /ready, sent --num-requests requests of the capacity protocol's workload (ShareGPT
+lengths x --scale, <= --max-output-tokens out, Poisson at --qps, seeded) with no warm-up request of any kind.
+Reported per seed:
 the share of requests that meet TTFT <= --slo-ttft and their own P99 TBT <= --slo-tbt among the first
 --window requests and among the rest, and their median TBT. With --peer-url the same workload (first seed)
 goes to that server too; start it fresh just before, since this command cannot restart it.

@@ -45,7 +45,9 @@ def chunk_starts(budget: int, decodes: int, prompt_len: int, scale: int | None) 
     """(start, full chunk) of each iteration prefilling a prompt_len prompt next to `decodes` decodes: the
     chunk the budget allows at that start (the last may take less of the prompt; others fill the rest)."""
     left, out, done = budget - decodes, [], 0
-    while left > 0 and done < prompt_len:
+    if left < 1:
+        return out
+    while done < prompt_len:
         n = fit_chunk(left, done, scale)
         if n < 1:
             break
