@@ -189,6 +189,8 @@ class Budget(_Model):
     min: int = Field(128, ge=1)
     max: int = Field(4096, ge=1)
     align: int = Field(32, ge=1)
+    # the engine's --chunk-context-scale: prefill chunks charged for the context before them; None = plain
+    chunk_context_scale: int | None = Field(None, alias="chunkContextScale", ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> Budget:

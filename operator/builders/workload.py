@@ -39,6 +39,8 @@ def engine_args(ctx: BuildContext) -> list[str]:
     """Arguments of `stallfree serve` (the engine's CLI contract)."""
     s = ctx.spec
     max_len = ["--max-model-len", str(s.model.max_model_len)] if s.model.max_model_len else []
+    scale = s.budget.chunk_context_scale
+    charge = ["--chunk-context-scale", str(scale)] if scale is not None else []
     return [
         "--model", engine_model_arg(ctx),
         "--served-model-name", s.model.name,
@@ -47,6 +49,7 @@ def engine_args(ctx: BuildContext) -> list[str]:
         "--port", str(s.engine.port),
         "--policy", s.engine.policy,
         "--token-budget", str(token_budget(ctx, tuned=False)),
+        *charge,
         "--max-num-seqs", str(s.engine.max_num_seqs),
         "--block-size", str(s.engine.block_size),
         "--dtype", s.model.dtype,

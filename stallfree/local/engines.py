@@ -88,6 +88,8 @@ class EngineFleet:
         cmd += ["--served-model-name", s.model.name]  # clients send spec.model.name, as in the cluster
         if s.model.max_model_len:
             cmd += ["--max-model-len", str(s.model.max_model_len)]
+        if s.budget.chunk_context_scale is not None:
+            cmd += ["--chunk-context-scale", str(s.budget.chunk_context_scale)]
         if s.model.source.type == "HostPath" and s.model.source.path:
             cmd += ["--model", s.model.source.path]
         elif s.model.source.type == "HuggingFace" and s.model.source.uri:

@@ -194,6 +194,23 @@ def test_model_name_and_max_model_len_reach_the_engine(tmp_path):
     assert settings.served_model_names == ("my-chat",) and engine_config.max_model_len == 4096
 
 
+def test_budget_chunk_context_scale_reaches_the_engine_scheduler(tmp_path):
+    """spec.budget.chunkContextScale becomes `stallfree serve --chunk-context-scale`, parsed by serve itself
+    into the scheduler's config; unset, the engine keeps the plain count."""
+    from stallfree.engine.serve_cli import build_configs, build_parser
+    from stallfree.local.engines import EngineFleet
+
+    base = load(LOCAL).spec
+    (tmp_path / "engine.yaml").write_text("tokenBudget: 256\n")
+    for scale in (None, 1331):
+        spec = base.model_copy(
+            update={"budget": base.budget.model_copy(update={"chunk_context_scale": scale})}
+        )
+        cmd = EngineFleet("d", spec, tmp_path, tmp_path / "engine.yaml", "token", 60.0).command(free_port())
+        engine_config, _ = build_configs(build_parser().parse_args(cmd[cmd.index("serve") + 1 :]))
+        assert engine_config.scheduler.chunk_context_scale == scale
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_spec_controller_enabled_decides_whether_local_mode_retunes(tmp_path, monkeypatch, enabled):
     """controller.enabled: false serves the spec's settings, as the kopf timer does in a cluster."""

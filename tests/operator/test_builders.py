@@ -165,6 +165,9 @@ def test_engine_args_follow_the_engine_cli_contract():
     assert "--max-model-len" not in engine_args(make_ctx({"model": {}}))  # unset: the model's own limit
     off = make_ctx({"model": {}, "engine": {"prefixCaching": False}})
     assert engine_args(off)[-1] == "--no-enable-prefix-caching"
+    assert "--chunk-context-scale" not in engine_args(off)  # unset: the plain count
+    charged = engine_args(make_ctx({"model": {}, "budget": {"chunkContextScale": 1331}}))
+    assert charged[charged.index("--chunk-context-scale") + 1] == "1331"
 
 
 def test_engine_config_copies_traffic_clusters_and_fills_defaults():
@@ -279,6 +282,7 @@ def test_pydantic_defaults_agree_with_the_crd():
     [
         ({"budget": {"initial": 100, "min": 128, "max": 4096, "align": 32}}, "budget.initial"),
         ({"replicas": {"min": 3, "max": 1}}, "replicas.min"),
+        ({"budget": {"chunkContextScale": 0}}, "budget.chunkContextScale"),
         ({"trafficClusters": [{"name": "a"}, {"name": "a"}]}, "unique"),
         ({"model": {"source": {"type": "HostPath", "path": "rel"}}}, "model.source.path"),
     ],

@@ -52,6 +52,11 @@ INVALID = [
         "multiples of budget.align",
     ),
     ("budget-min-above-max", _spec(budget={"initial": 512, "min": 1024, "max": 512}), "spec.budget.min"),
+    (
+        "budget-chunk-context-scale-zero",
+        _spec(budget={"initial": 512, "min": 128, "max": 4096, "chunkContextScale": 0}),
+        "spec.budget.chunkContextScale",
+    ),
     ("replicas-min-above-max", _spec(replicas={"min": 3, "max": 2}), "spec.replicas.min"),
     (
         "replicas-desired-above-max",
