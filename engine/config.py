@@ -19,6 +19,11 @@ class TrafficClusterLimits:
     chunk_cap: int | None = None  # prefill tokens per iteration for this cluster; None = only the budget
     max_running: int | None = None
     priority: int = 0
+    # The cluster's SLOs, for time-budgeted iterations (SchedulerTunables.time_target): an iteration in which
+    # one of its requests decodes takes at most time_target x tbt_slo; one while it waits for a first token,
+    # at most ttft_share x ttft_slo. None: the scheduler's default TBT target, and no TTFT bound.
+    tbt_slo: float | None = None
+    ttft_slo: float | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_cap is not None and self.chunk_cap < 1:
@@ -27,18 +32,42 @@ class TrafficClusterLimits:
             raise ValueError(
                 f"traffic cluster {self.name!r}: max running must be >= 1, got {self.max_running}"
             )
+        for what, v in (("TBT SLO", self.tbt_slo), ("TTFT SLO", self.ttft_slo)):
+            if v is not None and not v > 0:
+                raise ValueError(f"traffic cluster {self.name!r}: {what} must be > 0 seconds, got {v}")
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerTunables:
-    """What may change between iterations (admin API, budget controller)."""
+    """What may change between iterations (admin API, budget controller).
+
+    Two ways to budget an iteration (sarathi):
+      tokens  time_target None: every iteration holds at most token_budget tokens (the paper's budget).
+      time    time_target set: each iteration's prefill gets the largest chunk set whose predicted time
+              (the engine's calibrated cost model) fits time_target x the strictest P99 TBT SLO among the
+              clusters with a request decoding in it, and ttft_share x the strictest TTFT SLO among the
+              clusters with a request waiting for its first token. token_budget is then the cap (the
+              ceiling an iteration with nothing to protect grows to) and min_token_budget the floor (what
+              an iteration holds even when the prediction says less, so prefill always progresses).
+    """
 
     token_budget: int = 512
     clusters: tuple[TrafficClusterLimits, ...] = ()
+    time_target: float | None = None
+    min_token_budget: int = 16
+    ttft_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_budget, int) or self.token_budget < 1:
             raise ValueError(f"token_budget must be a positive integer, got {self.token_budget!r}")
+        if self.time_target is not None and not 0 < self.time_target <= 1:
+            raise ValueError(
+                f"time_target must be in (0, 1] (a share of the TBT SLO), got {self.time_target!r}"
+            )
+        if not isinstance(self.min_token_budget, int) or self.min_token_budget < 1:
+            raise ValueError(f"min_token_budget must be a positive integer, got {self.min_token_budget!r}")
+        if not 0 < self.ttft_share <= 1:
+            raise ValueError(f"ttft_share must be in (0, 1], got {self.ttft_share!r}")
         names = [c.name for c in self.clusters]
         if len(names) != len(set(names)):
             raise ValueError(f"traffic cluster names must be unique, got {names}")
@@ -66,6 +95,10 @@ class SchedulerConfig:
     # budget buys at the start of a prompt. C is the context at which a token's attention costs as much as
     # the rest of its forward pass (`stallfree tune` measures it). None: the paper's plain token count.
     chunk_context_scale: int | None = None
+    # Time-budgeted iterations: the P99 TBT target of a cluster that states none (seconds). 0.25 s keeps a
+    # stream's worst gaps under the ~0.2-0.3 s at which a reader notices a pause (people read ~4-5 tokens
+    # per second), on any hardware: a faster machine gets bigger chunks, not a faster target.
+    default_tbt_slo: float = 0.25
     tunables: SchedulerTunables = field(default_factory=SchedulerTunables)
 
     def __post_init__(self) -> None:
@@ -79,6 +112,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.chunk_align < 0:
             raise ValueError(f"chunk_align must be >= 0, got {self.chunk_align}")
+        if not self.default_tbt_slo > 0:
+            raise ValueError(f"default_tbt_slo must be > 0 seconds, got {self.default_tbt_slo!r}")
         if self.chunk_context_scale is not None and (
             not isinstance(self.chunk_context_scale, int) or self.chunk_context_scale < 1
         ):
@@ -143,6 +178,9 @@ class EngineConfig:
     quantization: str = "none"  # CPU, bf16 only: int8 / int4 weight-only linear layers
     threads: int | None = None  # torch CPU threads; None = leave torch's setting (OMP_NUM_THREADS or cores)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # cost_model.json from `stallfree profile`: the prior of the engine's calibrated iteration cost model
+    # (None: the conservative built-in one); time-budgeted iterations are sized with it
+    cost_model: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0

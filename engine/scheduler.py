@@ -9,6 +9,9 @@ Policies (SchedulerConfig.policy):
            new requests, each chunk = min(remaining prompt, leftover budget, cluster chunk cap), optionally
            tile-aligned; several prefill chunks may share a batch; the budget may change between iterations.
            With chunk_context_scale C, a chunk is charged for the context it attends over (chunk_charge).
+           With a time target (SchedulerTunables.time_target) and a cost model, the budget is a time: the
+           prefill chunks are the largest set whose predicted iteration time fits the SLOs of the clusters
+           decoding in this iteration (time_limit), between the floor and the cap in tokens.
   vllm     the paper's baseline: whole prompts first in prefill-only batches; decodes wait for them.
   orca     decodes plus whole new prompts in one batch, no token cap.
   static   request-level batching: a batch is admitted together and runs until all of it finishes.
@@ -17,10 +20,12 @@ Policies (SchedulerConfig.policy):
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from stallfree.costmodel.features import add_chunk, decode_features
 from stallfree.engine.block_manager import BlockManager
 from stallfree.engine.config import SchedulerConfig, SchedulerTunables
 from stallfree.engine.request import Request, RequestStatus
@@ -29,6 +34,13 @@ from stallfree.engine.sampling_params import SamplingParams
 # Keep this fraction of blocks free when admitting new requests, so running decodes are not preempted
 # right after an admission.
 WATERMARK = 0.01
+
+
+class IterationCostModel(Protocol):
+    """Seconds an iteration with these features takes (stallfree.costmodel: a fit, or the engine's
+    calibrated OnlineCostModel). Non-decreasing in every work feature."""
+
+    def predict(self, features: Mapping[str, float]) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,10 @@ class SchedulerOutput:
     # Prefix cache lookups of the requests admitted this iteration: (traffic cluster, prompt tokens looked
     # up, tokens found cached), one entry per admission.
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
+    # Time-budgeted iterations: the time the iteration had to fit (None: no limit, or the token mode) and
+    # what the cost model predicted for it (None in the token mode).
+    time_limit: float | None = None
+    predicted_time: float | None = None
     # Structured outputs: request id -> the token mask its sampled row must obey (a sampler.AllowedTokens).
     # The scheduler leaves it empty; the engine attaches the masks of constrained requests after scheduling.
     allowed_tokens: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -113,6 +129,10 @@ class _Batch:
     paused: set[str] = field(default_factory=set)  # running but over their cluster's maxRunning
     prefix_cache: list[tuple[str, int, int]] = field(default_factory=list)
     used: int = 0
+    # Time-budgeted: the iteration's features so far and the time it must fit (None: token mode or no limit)
+    features: dict[str, float] | None = None
+    time_limit: float | None = None
+    floor: int = 0  # tokens the iteration may hold whatever the prediction (the floor in tokens)
 
     @property
     def left(self) -> int:
@@ -124,15 +144,24 @@ class _Batch:
         self.used += n if charge is None else charge
         if not req.in_decode:
             self.cluster_prefill[req.traffic_cluster] = self.cluster_prefill.get(req.traffic_cluster, 0) + n
+            if self.features is not None:
+                add_chunk(self.features, n, req.num_computed_tokens)
 
 
 class Scheduler:
     """Holds the waiting and running requests and builds each iteration's batch."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        cost_model: IterationCostModel | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.tunables: SchedulerTunables = config.tunables
+        # Time-budgeted iterations need it; the engine gives its calibrated model (None: token budgets only)
+        self.cost_model = cost_model
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -208,18 +237,65 @@ class Scheduler:
         remaining = req.num_pending_tokens
         if whole:
             return remaining if remaining <= batch.left else 0
-        n = min(remaining, fit_chunk(batch.left, req.num_computed_tokens, self.config.chunk_context_scale))
+        timed = batch.features is not None
+        scale = None if timed else self.config.chunk_context_scale
+        n = min(remaining, fit_chunk(batch.left, req.num_computed_tokens, scale))
         limits = self.tunables.cluster(req.traffic_cluster)
         if limits is not None and limits.chunk_cap is not None:
             n = min(n, limits.chunk_cap - batch.cluster_prefill.get(req.traffic_cluster, 0))
+        if timed and n > 0:
+            n = self._fit_time(n, req.num_computed_tokens, batch)
         align = self.config.chunk_align
         if align and n < remaining:
             n -= n % align
         return max(n, 0)
 
+    def _fit_time(self, n: int, start: int, batch: _Batch) -> int:
+        """The longest chunk of at most `n` tokens after `start` whose iteration (with what `batch` holds)
+        the cost model predicts within the batch's time limit; at least what the floor leaves."""
+        limit, base, model = batch.time_limit, batch.features, self.cost_model
+        if limit is None or base is None or model is None:
+            return n
+
+        def fits(k: int) -> bool:
+            f = dict(base)
+            add_chunk(f, k, start)
+            return model.predict(f) <= limit
+
+        floor = min(n, max(batch.floor - batch.used, 0))
+        if fits(n):
+            return n
+        lo, hi = 0, n  # fits(lo) or lo is 0; not fits(hi). NOTE: the model is non-decreasing in k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return max(lo, floor)
+
     def _charge(self, req: Request, n: int, whole: bool) -> int:
         # NOTE: called before the chunk is computed: num_computed_tokens is where it starts
-        return n if whole else chunk_charge(n, req.num_computed_tokens, self.config.chunk_context_scale)
+        if whole or self.tunables.time_target is not None and self.cost_model is not None:
+            return n
+        return chunk_charge(n, req.num_computed_tokens, self.config.chunk_context_scale)
+
+    def time_limit(self, decoding: Iterable[Request]) -> float | None:
+        """Seconds the next iteration may take (time-budgeted mode), from the SLOs of the clusters with a
+        request decoding in it (`decoding`) and of those waiting for a first token; None = no limit (only
+        the cap in tokens), as when nothing decodes and nobody waiting has a TTFT SLO."""
+        target = self.tunables.time_target
+        if target is None:
+            return None
+        limit = math.inf
+        for cluster in {r.traffic_cluster for r in decoding}:
+            c = self.tunables.cluster(cluster)
+            tbt = c.tbt_slo if c is not None and c.tbt_slo is not None else self.config.default_tbt_slo
+            limit = min(limit, target * tbt)
+        first_token = {r.traffic_cluster for r in self.waiting}
+        first_token.update(r.traffic_cluster for r in self.running if not r.in_decode)
+        for cluster in first_token:
+            c = self.tunables.cluster(cluster)
+            if c is not None and c.ttft_slo is not None:
+                limit = min(limit, self.tunables.ttft_share * c.ttft_slo)
+        return None if math.isinf(limit) else limit
 
     def _preempt(self, req: Request, batch: _Batch) -> None:
         self.running.remove(req)
@@ -389,6 +465,7 @@ class Scheduler:
     # ---- policies ------------------------------------------------------------------------------------
     def _schedule_sarathi(self) -> _Batch:
         batch = _Batch(self.tunables.token_budget, paused=self._paused())
+        timed = self.tunables.time_target is not None and self.cost_model is not None
         has_decodes = any(r.in_decode for r in self.running)
         has_prefills = bool(self.waiting) or any(not r.in_decode for r in self.running)
         prefill_turn = (
@@ -398,6 +475,11 @@ class Scheduler:
         )
         if self.config.hybrid_batching or not prefill_turn:
             self._schedule_decodes(batch)
+        if timed:
+            decodes = [r for r, _ in batch.chunks]
+            batch.features = decode_features([r.num_computed_tokens + 1 for r in decodes])
+            batch.time_limit = self.time_limit(decodes)
+            batch.floor = min(self.tunables.min_token_budget, self.tunables.token_budget)
         if self.config.hybrid_batching or prefill_turn:
             self._schedule_running_prefills(batch, whole=False)
             self._admit_waiting(batch, whole=False)
@@ -473,6 +555,9 @@ class Scheduler:
             )
         for req, n in ordered:
             req.num_computed_tokens += n
+        predicted = None
+        if batch.features is not None and self.cost_model is not None:
+            predicted = self.cost_model.predict(batch.features)
         return SchedulerOutput(
             chunks=tuple(chunks),
             preempted=tuple(batch.preempted),
@@ -480,6 +565,8 @@ class Scheduler:
             num_prefill_tokens=n_prefill,
             num_decode_tokens=n_decode,
             prefix_cache=tuple(batch.prefix_cache),
+            time_limit=batch.time_limit,
+            predicted_time=predicted,
         )
 
 

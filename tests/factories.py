@@ -25,6 +25,9 @@ def make_scheduler(
     clusters: tuple[TrafficClusterLimits, ...] = (),
     prefix_caching: bool = False,
     chunk_context_scale: int | None = None,
+    time_target: float | None = None,
+    min_token_budget: int = 16,
+    cost_model=None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         policy=policy,
@@ -33,9 +36,15 @@ def make_scheduler(
         chunk_align=chunk_align,
         hybrid_batching=hybrid_batching,
         chunk_context_scale=chunk_context_scale,
-        tunables=SchedulerTunables(token_budget=token_budget, clusters=clusters),
+        tunables=SchedulerTunables(
+            token_budget=token_budget,
+            clusters=clusters,
+            time_target=time_target,
+            min_token_budget=min_token_budget,
+        ),
     )
-    return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(cfg, bm, cost_model)
 
 
 def make_request(

@@ -26,7 +26,7 @@ simulator), `synthetic_features` for one hypothetical chunk at a known offset (t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from stallfree.engine.decode_groups import attended_decode_area
 
@@ -37,21 +37,37 @@ GEMM_EXCESS = "gemm_tokens_over_knee"
 
 def iteration_features(chunks: Iterable) -> dict[str, float]:
     """Features of one iteration from the scheduler's chunks (anything with num_tokens, start, is_decode)."""
-    f = dict.fromkeys(FEATURES, 0.0)
-    f["const"] = 1.0
     decode_lens: list[int] = []
+    prefill: list[tuple[int, int]] = []
     for c in chunks:
-        n = c.num_tokens
         if c.is_decode:
             decode_lens.append(c.start + 1)
         else:
-            f["prefill_tokens"] += n
-            f["prefill_attn"] += n * (c.start + (n + 1) / 2)
-            f["prefill_chunks"] += 1
+            prefill.append((c.num_tokens, c.start))
+    f = decode_features(decode_lens)
+    for n, start in prefill:
+        add_chunk(f, n, start)
+    return f
+
+
+def decode_features(decode_lens: Sequence[int]) -> dict[str, float]:
+    """Features of an iteration of decodes only (each decode's history length, its new token included):
+    where the scheduler starts before it sizes prefill chunks."""
+    f = dict.fromkeys(FEATURES, 0.0)
+    f["const"] = 1.0
     f["decode_tokens"] = float(len(decode_lens))
     f["decode_attn"] = float(attended_decode_area(decode_lens))
     f[DECODE_KV] = float(sum(decode_lens))
     return f
+
+
+def add_chunk(features: dict[str, float], n: int, start: int) -> None:
+    """Add a prefill chunk of `n` tokens after `start` computed ones to `features` (in place)."""
+    if n <= 0:
+        return
+    features["prefill_tokens"] += n
+    features["prefill_attn"] += n * (start + (n + 1) / 2)
+    features["prefill_chunks"] += 1
 
 
 def gemm_excess(features: dict[str, float], knee: float) -> float:
