@@ -14,6 +14,9 @@ from dataclasses import replace
 
 import torch
 
+from stallfree.costmodel.calibrate import OnlineCostModel
+from stallfree.costmodel.features import iteration_features
+from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.engine.attention import FALLBACK, KVCache, make_backend, resolve_attention_backend
 from stallfree.engine.block_manager import BlockManager, blocks_needed
 from stallfree.engine.config import EngineConfig, SchedulerTunables
@@ -92,7 +95,8 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             salt=self._prefix_cache_salt(),
         )
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.cost_model = make_cost_model(config.cost_model)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.cost_model)
         self.runner = self._make_runner()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
@@ -321,6 +325,10 @@ class LLMEngine:
         # NOTE: the stats' time is the step's end, after the update: the iteration log's period (end to
         # end) must cover the whole step it is compared with. Tokens keep `now`, when they were sampled.
         stats = self._stats(sched, run, t_sched, t3 - t2, self.clock())
+        # The cost model learns what this iteration took (it predicted it before: the scheduler sized the
+        # chunks with that prediction when the budget is a time).
+        predicted = self.cost_model.observe(iteration_features(sched.chunks), stats.time_total)
+        stats = replace(stats, predicted_time=predicted, time_limit=sched.time_limit)
         self.last_stats = stats
         for listener in self.stats_listeners:
             listener(stats, results)
@@ -377,6 +385,15 @@ class LLMEngine:
             prefix_cache=sched.prefix_cache,
             num_cached_blocks=self.block_manager.num_cached_blocks,
         )
+
+
+def make_cost_model(path: str | None) -> OnlineCostModel:
+    """The engine's calibrated iteration cost model: a `stallfree profile` fit as its prior, or the
+    conservative built-in prior (stallfree.costmodel.calibrate)."""
+    if path is None:
+        return OnlineCostModel()
+    fit = FittedCostModel.load(path)
+    return OnlineCostModel(fit.coefficients, gemm_knee=fit.gemm_knee)
 
 
 def create_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLMEngine:

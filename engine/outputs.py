@@ -83,6 +83,10 @@ class IterationStats:
     # prefix cache lookups of requests admitted this step: (traffic cluster, tokens looked up, tokens hit)
     prefix_cache: tuple[tuple[str, int, int], ...] = ()
     num_cached_blocks: int = 0
+    # The engine's cost model: what it predicted this iteration would take (before it ran), and the time the
+    # scheduler had to fit it in (time-budgeted iterations; None: no limit, or a token budget)
+    predicted_time: float | None = None
+    time_limit: float | None = None
 
     @property
     def time_total(self) -> float:
