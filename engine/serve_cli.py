@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS
@@ -25,8 +26,16 @@ environment:
   STALLFREE_ADMIN_TOKEN   bearer token for /admin/v1/* (same as --admin-token); without one the admin API
                           is open when bound to 127.0.0.1 and disabled (403) otherwise
 
+budgets:
+  By default every iteration is budgeted in time (--time-target 0.8): its prefill chunks are the largest set
+  whose predicted time fits 0.8 x the strictest P99 TBT SLO among the clusters decoding in it (a cluster
+  without one: --default-tbt-slo, 0.25 s), growing up to the cap (2048 tokens) when nobody decodes. The
+  prediction is the engine's cost model, refitted from its own iteration times (--cost-model: a profile as
+  the starting point). --token-budget N alone pins the paper's fixed token budget instead.
+
 traffic clusters file (YAML or JSON):
-  tokenBudget: 512
+  tokenBudget: 2048      # with timeTarget: the cap; without: the fixed budget
+  timeTarget: 0.8        # null: a fixed token budget
   trafficClusters:
     - name: chat
       match: {header: chat, maxPromptTokens: 2048}     # x-traffic-cluster header / prompt length range
@@ -38,10 +47,15 @@ traffic clusters file (YAML or JSON):
 
 examples:
   stallfree serve                                     # bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
-  stallfree serve --model ./Llama-3.2-1B --host 0.0.0.0 --token-budget 256 --traffic-clusters engine.yaml
+  stallfree serve --model ./Llama-3.2-1B --host 0.0.0.0 --traffic-clusters engine.yaml
+  stallfree serve --token-budget 256                  # the paper's fixed budget instead of a time budget
   stallfree serve --load-format dummy --shape llama3-8b --device cuda   # random weights, 8B shape (GPU)
 """
 
+
+DEFAULT_TOKEN_BUDGET = 512  # the fixed budget of a pinned or baseline policy
+DEFAULT_TIME_TARGET = 0.8  # share of the P99 TBT SLO an iteration may take: the rest absorbs prediction error
+DEFAULT_TIME_CAP = 2048  # tokens of a time-budgeted iteration that has no decode to protect
 
 # stallfree.engine.model.dummy.SHAPES, without importing torch (for --help)
 SHAPE_NAMES = ("smollm2-135m", "llama3-8b", "mistral-7b", "qwen3-8b", "tiny-hd128")
@@ -125,8 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s = p.add_argument_group("scheduling")
     s.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default: sarathi)")
-    s.add_argument("--token-budget", type=int, default=512, help="tokens per iteration (sarathi); the "
-                   "traffic clusters file's tokenBudget overrides it")  # fmt: skip
+    s.add_argument("--token-budget", type=int, default=None, help="sarathi: alone, a fixed budget of tokens "
+                   f"per iteration (the paper's); with --time-target, the cap of a time-budgeted iteration "
+                   f"(default: time-budgeted, cap {DEFAULT_TIME_CAP}; {DEFAULT_TOKEN_BUDGET} for the other "
+                   "policies); the traffic clusters file's tokenBudget overrides it")  # fmt: skip
+    s.add_argument("--time-target", type=float, default=None, metavar="F",
+                   help="sarathi: budget each iteration in time, F x the strictest P99 TBT SLO among the "
+                   f"clusters decoding in it (default {DEFAULT_TIME_TARGET} unless --token-budget is given alone)")  # fmt: skip
+    s.add_argument("--min-token-budget", type=int, default=None, metavar="N",
+                   help="with a time target: tokens an iteration may always hold, whatever the prediction "
+                   "(the floor; default 16)")  # fmt: skip
+    s.add_argument("--default-tbt-slo", type=float, default=0.25, metavar="S",
+                   help="with a time target: the P99 TBT of clusters that state none (default 0.25 s: worst "
+                   "gaps a reader does not notice, ~4 tokens/s)")  # fmt: skip
+    s.add_argument("--cost-model", metavar="FILE", default=None,
+                   help="cost_model.json from `stallfree profile`: the time-budgeted scheduler's starting "
+                   "model (default: a conservative built-in one); refitted from the engine's own iterations")  # fmt: skip
     s.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     s.add_argument("--chunk-align", type=int, default=0, help="round prefill chunks to this tile (0 = off)")
     s.add_argument("--chunk-context-scale", type=int, default=None, metavar="C",
@@ -207,13 +235,40 @@ def cpu_defaults(dtype: str, quantization: str, device: str, world_size: int) ->
     return dtype, quantization
 
 
+def budget_mode(args: argparse.Namespace) -> tuple[int, float | None]:
+    """(token budget, time target) from the flags: time-budgeted unless --token-budget is given alone or
+    the policy is not sarathi (the baselines take a token budget)."""
+    if args.token_budget is not None and args.token_budget < 1:
+        raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
+    if args.time_target is not None and not 0 < args.time_target <= 1:
+        raise ValueError(
+            f"--time-target must be in (0, 1] (a share of the P99 TBT SLO), got {args.time_target}"
+        )
+    if args.min_token_budget is not None and args.min_token_budget < 1:
+        raise ValueError(f"--min-token-budget must be >= 1, got {args.min_token_budget}")
+    if not args.default_tbt_slo > 0:
+        raise ValueError(f"--default-tbt-slo must be > 0 seconds, got {args.default_tbt_slo}")
+    if args.cost_model is not None and not Path(args.cost_model).is_file():
+        raise ValueError(
+            f"--cost-model {args.cost_model}: no such file (`stallfree profile --out DIR` writes one)"
+        )
+    if args.policy != "sarathi":
+        if args.time_target is not None:
+            raise ValueError(
+                f"--time-target budgets sarathi's iterations; --policy {args.policy} takes --token-budget"
+            )
+        return args.token_budget or DEFAULT_TOKEN_BUDGET, None
+    if args.time_target is None and args.token_budget is not None:
+        return args.token_budget, None
+    return args.token_budget or DEFAULT_TIME_CAP, args.time_target or DEFAULT_TIME_TARGET
+
+
 def build_configs(args: argparse.Namespace):
     """(EngineConfig, ServerSettings) from parsed arguments. Raises ValueError with a user-facing message."""
     from stallfree.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from stallfree.engine.paths import DEFAULT_MODEL_NAME
     from stallfree.engine.server.state import ServerSettings
     from stallfree.engine.server.traffic import (
-        TrafficConfig,
         load_traffic_config,
         parse_cluster,
         parse_cluster_flag,
@@ -229,8 +284,7 @@ def build_configs(args: argparse.Namespace):
         from stallfree.engine.parallel.env import read_contract
 
         read_contract().ranks(parallel.world_size)  # a bad multi-node environment fails here, clearly
-    if args.token_budget < 1:
-        raise ValueError(f"--token-budget must be >= 1, got {args.token_budget}")
+    budget, time_target = budget_mode(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -250,9 +304,11 @@ def build_configs(args: argparse.Namespace):
             f"--model {model}: no such file or folder (give a .gguf file or a Hugging Face folder)"
         )
     if args.traffic_clusters:
-        traffic = load_traffic_config(args.traffic_clusters, args.token_budget, args.chunk_align)
+        traffic = load_traffic_config(args.traffic_clusters, budget, args.chunk_align, time_target)
     else:
-        traffic = parse_traffic_config({}, args.token_budget, args.chunk_align)
+        traffic = parse_traffic_config({}, budget, args.chunk_align, time_target)
+    if args.min_token_budget is not None:
+        traffic = replace(traffic, min_token_budget=args.min_token_budget)
     if args.traffic_cluster:  # inline clusters replace same-named ones from the file
         flags = [
             parse_cluster(parse_cluster_flag(f), f"--traffic-cluster[{i}]")
@@ -260,7 +316,7 @@ def build_configs(args: argparse.Namespace):
         ]
         names = {c.name for c in flags}
         kept = tuple(c for c in traffic.clusters if c.name not in names)
-        traffic = TrafficConfig(traffic.token_budget, traffic.chunk_align, (*kept, *flags))
+        traffic = replace(traffic, clusters=(*kept, *flags))
     dtype, quantization = cpu_defaults(args.dtype, args.quantization, args.device, parallel.world_size)
     engine_config = EngineConfig(
         model=model,
@@ -280,8 +336,10 @@ def build_configs(args: argparse.Namespace):
             chunk_align=traffic.chunk_align,
             hybrid_batching=args.hybrid_batching,
             chunk_context_scale=args.chunk_context_scale,
+            default_tbt_slo=args.default_tbt_slo,
             tunables=traffic.tunables(),
         ),
+        cost_model=args.cost_model,
         cache=CacheConfig(
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,

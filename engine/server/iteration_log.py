@@ -49,6 +49,9 @@ class IterationLog(EngineObserver):
             "period_s": None if period is None else round(period, 6),
             "chunks": [[n, start, int(dec)] for n, start, dec in stats.chunk_shapes],
         }
+        if stats.predicted_time is not None:  # the engine's cost model: its prediction, and the time to fit
+            line["predicted_s"] = round(stats.predicted_time, 6)
+            line["limit_s"] = None if stats.time_limit is None else round(stats.time_limit, 6)
         with self._lock:
             if self._file.closed:
                 return

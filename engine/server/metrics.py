@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as _CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stallfree.engine.outputs import IterationStats, RequestMetrics
+from stallfree.engine.server.calibration_window import CalibrationWindow
 from stallfree.engine.server.observer import EngineObserver
 
 CONTENT_TYPE = _CONTENT_TYPE
@@ -23,6 +24,7 @@ TBT_BUCKETS = (
     0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8,
     1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0,
 )  # fmt: skip
+RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
     2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
@@ -76,6 +78,19 @@ class PrometheusMetrics(EngineObserver):
                              TC, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.iter_time = h("stallfree_iteration_duration_seconds", "Wall time of one engine iteration.",
                            buckets=TBT_BUCKETS, registry=r)  # fmt: skip
+        self.iter_predicted = h("stallfree_iteration_predicted_seconds", "What the engine's cost model "
+                                "predicted an iteration would take, before it ran.", buckets=TBT_BUCKETS,
+                                registry=r)  # fmt: skip
+        self.iter_ratio = h("stallfree_iteration_prediction_ratio", "Predicted over observed iteration time.",
+                            buckets=RATIO_BUCKETS, registry=r)  # fmt: skip
+        self.iter_limit = g("stallfree_iteration_time_limit_seconds", "The time the last iteration had to fit "
+                            "(time-budgeted iterations; 0 = no limit).", registry=r)  # fmt: skip
+        self.cal_error = g("stallfree_cost_model_error_ratio", "|predicted / observed - 1| of iteration times "
+                           "over the last iterations (the cost model's calibration health).", ("quantile",),
+                           registry=r)  # fmt: skip
+        self.time_target = g("stallfree_time_target_ratio", "Share of the strictest P99 TBT SLO an iteration "
+                             "may take (0 = a fixed token budget).", registry=r)  # fmt: skip
+        self._calibration = CalibrationWindow()
         self.iter_prefill = h("stallfree_iteration_prefill_tokens", "Prefill tokens per iteration.",
                               buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.iter_decode = h("stallfree_iteration_decode_tokens", "Decode tokens per iteration.",
@@ -261,6 +276,14 @@ class PrometheusMetrics(EngineObserver):
         if stats is None:
             return
         self.iter_time.observe(stats.time_total)
+        if stats.predicted_time is not None and stats.time_total > 0:
+            self.iter_predicted.observe(stats.predicted_time)
+            self.iter_ratio.observe(stats.predicted_time / stats.time_total)
+            self.iter_limit.set(stats.time_limit or 0.0)
+            summary = self._calibration.add(stats.predicted_time / stats.time_total)
+            if summary is not None:
+                self.cal_error.labels("0.5").set(summary[0])
+                self.cal_error.labels("0.95").set(summary[1])
         self.iter_prefill.observe(stats.num_prefill_tokens)
         self.iter_decode.observe(stats.num_decode_tokens)
         if stats.num_preempted:
@@ -284,6 +307,7 @@ class PrometheusMetrics(EngineObserver):
 
     def on_config(self, config) -> None:
         self.budget.set(config.token_budget)
+        self.time_target.set(config.time_target or 0.0)
         for c in config.clusters:
             self._cluster(c.name)
             self.chunk_cap.labels(c.name).set(c.chunk_cap or 0)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stallfree.engine.outputs import IterationStats
+from stallfree.engine.server.calibration_window import CalibrationWindow
 from stallfree.engine.server.observer import EngineObserver
 
 _SERIES = (
@@ -45,6 +46,7 @@ class WindowStats(EngineObserver):
         self._kv_usage = 0.0
         self._cached_blocks = 0
         self._iterations: deque[tuple[float, int, int, float]] = deque()  # time, prefill, decode, seconds
+        self._calibration = CalibrationWindow()
         self.started = clock()
 
     # ---- observer ----------------------------------------------------------------------------------
@@ -100,6 +102,8 @@ class WindowStats(EngineObserver):
                     (now, stats.num_prefill_tokens, stats.num_decode_tokens, stats.time_total)
                 )
                 self._trim(self._iterations, now)
+                if stats.predicted_time is not None and stats.time_total > 0:
+                    self._calibration.add(stats.predicted_time / stats.time_total)
 
     # ---- reading -----------------------------------------------------------------------------------
     def admission_rate(self, cluster: str) -> float:
@@ -150,11 +154,18 @@ class WindowStats(EngineObserver):
             hits = [v for c in self._series.values() for _, v in c["cache_hit"]]
             queries = [v for c in self._series.values() for _, v in c["cache_queried"]]
             cached_blocks = self._cached_blocks
+            calibration = self._calibration.last
         busy = sum(s for *_, s in its)
         return {
             "windowSeconds": self.window_s,
             "tokenBudget": config.token_budget,
+            "timeTarget": config.time_target,
+            "minTokenBudget": config.min_token_budget,
             "chunkAlign": config.chunk_align,
+            # the cost model's calibration: |predicted / observed - 1| of the last iterations' times
+            "costModelError": None
+            if calibration is None
+            else {"median": calibration[0], "p95": calibration[1]},
             "kvCacheUsage": self._kv_usage,
             "prefixCache": {"cachedBlocks": cached_blocks, "hitRate": _ratio(hits, queries)},
             "iterations": {

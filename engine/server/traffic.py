@@ -2,7 +2,9 @@
 
 File shape (YAML or JSON; the operator writes the same into its ConfigMap):
 
-    tokenBudget: 512
+    tokenBudget: 2048      # the token mode's budget; with timeTarget, the cap of an iteration
+    timeTarget: 0.8        # time-budgeted iterations (share of the P99 TBT SLO); null = the token mode
+    minTokenBudget: 16     # with timeTarget: the floor of an iteration, whatever the prediction
     chunkAlign: 0
     trafficClusters:
       - name: chat
@@ -32,6 +34,8 @@ import yaml
 from stallfree.engine.config import SchedulerTunables, TrafficClusterLimits
 
 DEFAULT_CLUSTER = "default"
+DEFAULT_MIN_TOKEN_BUDGET = 16
+_TOP_FIELDS = ("tokenBudget", "timeTarget", "minTokenBudget", "chunkAlign", "trafficClusters")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SLO_FIELDS = {
     "ttftP99Seconds": "ttft_p99",
@@ -91,7 +95,14 @@ class TrafficCluster:
     priority: int = 0
 
     def limits(self) -> TrafficClusterLimits:
-        return TrafficClusterLimits(self.name, self.chunk_cap, self.max_running, self.priority)
+        return TrafficClusterLimits(
+            self.name,
+            self.chunk_cap,
+            self.max_running,
+            self.priority,
+            tbt_slo=self.slo.tbt_p99,
+            ttft_slo=self.slo.ttft_p99,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -106,15 +117,23 @@ class TrafficCluster:
 
 @dataclass(frozen=True, slots=True)
 class TrafficConfig:
-    """The run-time tunable settings: token budget, chunk alignment and the traffic clusters."""
+    """The run-time tunable settings: token budget (or time target, floor and cap), chunk alignment and the
+    traffic clusters."""
 
     token_budget: int = 512
     chunk_align: int = 0
     clusters: tuple[TrafficCluster, ...] = ()
+    time_target: float | None = None
+    min_token_budget: int = 16
 
     def __post_init__(self) -> None:
         if not any(c.name == DEFAULT_CLUSTER for c in self.clusters):
             object.__setattr__(self, "clusters", (*self.clusters, TrafficCluster(DEFAULT_CLUSTER)))
+        if self.time_target is not None and self.min_token_budget > self.token_budget:
+            raise TrafficConfigError(
+                f"minTokenBudget ({self.min_token_budget}) must be <= tokenBudget ({self.token_budget}), "
+                "the cap of a time-budgeted iteration"
+            )
 
     @property
     def names(self) -> list[str]:
@@ -146,11 +165,18 @@ class TrafficConfig:
         )
 
     def tunables(self) -> SchedulerTunables:
-        return SchedulerTunables(self.token_budget, tuple(c.limits() for c in self.clusters))
+        return SchedulerTunables(
+            self.token_budget,
+            tuple(c.limits() for c in self.clusters),
+            time_target=self.time_target,
+            min_token_budget=min(self.min_token_budget, self.token_budget),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "tokenBudget": self.token_budget,
+            "timeTarget": self.time_target,
+            "minTokenBudget": self.min_token_budget,
             "chunkAlign": self.chunk_align,
             "trafficClusters": {c.name: c.to_json() for c in self.clusters},
         }
@@ -160,10 +186,11 @@ class TrafficConfig:
         and TrafficConfigError for bad values."""
         if not isinstance(patch, dict):
             raise TrafficConfigError("the body must be a JSON object shaped like GET /admin/v1/config")
-        _no_unknown(patch, {"tokenBudget", "chunkAlign", "trafficClusters"}, "")
+        _no_unknown(patch, set(_TOP_FIELDS), "")
         budget = self.token_budget
         if "tokenBudget" in patch:
             budget = _int(patch["tokenBudget"], "tokenBudget", minimum=1)
+        target, floor = _time_fields(patch, self.time_target, self.min_token_budget)
         align = self.chunk_align
         if "chunkAlign" in patch:
             align = _int(patch["chunkAlign"], "chunkAlign", minimum=0)
@@ -176,11 +203,16 @@ class TrafficConfig:
             if idx is None:
                 raise KeyError(name)
             clusters[idx] = _patch_cluster(clusters[idx], change, f"trafficClusters.{name}")
-        return TrafficConfig(budget, align, tuple(clusters))
+        return TrafficConfig(budget, align, tuple(clusters), target, floor)
 
 
 # ---- parsing ----------------------------------------------------------------------------------------
-def load_traffic_config(path: str | Path, default_budget: int = 512, chunk_align: int = 0) -> TrafficConfig:
+def load_traffic_config(
+    path: str | Path,
+    default_budget: int = 512,
+    chunk_align: int = 0,
+    default_time_target: float | None = None,
+) -> TrafficConfig:
     """Read a YAML or JSON traffic-cluster file. Raises TrafficConfigError naming the bad field."""
     path = Path(path)
     try:
@@ -192,16 +224,19 @@ def load_traffic_config(path: str | Path, default_budget: int = 512, chunk_align
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise TrafficConfigError(f"{path} is not valid YAML/JSON: {e}") from e
     try:
-        return parse_traffic_config(doc or {}, default_budget, chunk_align)
+        return parse_traffic_config(doc or {}, default_budget, chunk_align, default_time_target)
     except TrafficConfigError as e:
         raise TrafficConfigError(f"{path}: {e}") from e
 
 
-def parse_traffic_config(doc: Any, default_budget: int = 512, chunk_align: int = 0) -> TrafficConfig:
+def parse_traffic_config(
+    doc: Any, default_budget: int = 512, chunk_align: int = 0, default_time_target: float | None = None
+) -> TrafficConfig:
     if not isinstance(doc, dict):
         raise TrafficConfigError("the traffic clusters document must be a mapping with `trafficClusters`")
-    _no_unknown(doc, {"tokenBudget", "chunkAlign", "trafficClusters"}, "")
+    _no_unknown(doc, set(_TOP_FIELDS), "")
     budget = _int(doc.get("tokenBudget", default_budget), "tokenBudget", minimum=1)
+    target, floor = _time_fields(doc, default_time_target, DEFAULT_MIN_TOKEN_BUDGET)
     align = _int(doc.get("chunkAlign", chunk_align), "chunkAlign", minimum=0)
     items = doc.get("trafficClusters") or []
     if not isinstance(items, list):
@@ -214,7 +249,22 @@ def parse_traffic_config(doc: Any, default_budget: int = 512, chunk_align: int =
                 f"trafficClusters[{i}].name {c.name!r} is used twice; names must be unique"
             )
         seen.add(c.name)
-    return TrafficConfig(budget, align, tuple(clusters))
+    return TrafficConfig(budget, align, tuple(clusters), target, floor)
+
+
+def _time_fields(doc: dict, target: float | None, floor: int) -> tuple[float | None, int]:
+    """timeTarget (null: the token mode) and minTokenBudget from a document, else the given ones."""
+    if "timeTarget" in doc:
+        v = doc["timeTarget"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
+            raise TrafficConfigError(
+                f"timeTarget must be in (0, 1] (the share of the P99 TBT SLO an iteration may take) or null "
+                f"(the token budget alone), got {v!r}"
+            )
+        target = None if v is None else float(v)
+    if "minTokenBudget" in doc:
+        floor = _int(doc["minTokenBudget"], "minTokenBudget", minimum=1)
+    return target, floor
 
 
 def parse_cluster(item: Any, where: str) -> TrafficCluster:
