@@ -97,8 +97,25 @@ def test_the_import_check_sees_lazy_and_from_imports(tmp_path: Path) -> None:
     assert "stallfree.local" in mods and "stallfree.bench.traces" in mods
 
 
-def test_the_experiments_are_not_packaged() -> None:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    packaged = [*tool["packages"], *tool["package-dir"]]
-    assert not [p for p in packaged if forbidden(p, ("experiments",))], packaged
+def _setup_py():
+    """setup.py as a module: its roots and what it discovers (its setup() call only runs as __main__)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stallfree_setup", REPO / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_code_folder_is_packaged_and_the_experiments_are_not() -> None:
+    """What setup.py discovers: no experiments, no tests, and every folder of code under a root (one without
+    an __init__.py would import from a checkout but be left out of the wheel). tests/test_packaging.py
+    builds and installs it."""
+    setup = _setup_py()
+    packaged = setup.discover()
+    assert not [p for p in packaged if forbidden(p, ("experiments", "tests"))], packaged
+    assert {"stallfree.engine.attention", "stallfree.engine.server.tool_calls"} <= set(packaged)
+    for name, folder in setup.ROOTS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            package = ".".join((name, *path.parent.relative_to(REPO / folder).parts))
+            assert package in packaged, f"{path.parent.relative_to(REPO)}/ holds code but no __init__.py"
