@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stallfree.costmodel.calibrate import OnlineCostModel
 from stallfree.costmodel.model import ProfiledCostModel
 from stallfree.operator.controller.config import raise_memory
 from stallfree.operator.controller.decide import decide, initial_settings
@@ -97,6 +98,15 @@ def build_workload(
     return [replace(r, index=i) for i, r in enumerate(reqs)], starts
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaShape:
+    """The simulated replica's size: running requests and KV-cache blocks of 16 tokens (the default: the
+    CPU server's 1 GiB of SmolLM2-135M KV)."""
+
+    max_num_seqs: int = 64
+    kv_blocks: int = 1456
+
+
 @dataclass(slots=True)
 class Rec:
     req: Req
@@ -118,10 +128,14 @@ def run(
     window: float,
     horizon: float,
     static_max_waiting: dict[str, int] | None = None,
+    time_target: float | None = None,
+    shape: ReplicaShape | None = None,
 ):
     """One simulated replica; returns records and the controller's timeline. A static run may bound
-    clusters' waiting queues (`static_max_waiting`, cluster -> maxWaiting): a hand-set admission limit."""
-    from stallfree.bench.simulator import DEFAULT_KV_BLOCKS
+    clusters' waiting queues (`static_max_waiting`, cluster -> maxWaiting): a hand-set admission limit.
+    With `time_target`, iterations are budgeted in time (the engine's default): `budget` is the cap in
+    tokens, the clusters' SLOs set each iteration's time, and the scheduler predicts with the engine's
+    calibrated cost model, the profile as its prior, refitted from the simulated iteration times."""
     from stallfree.costmodel.features import iteration_features
     from stallfree.engine.block_manager import BlockManager
     from stallfree.engine.config import SchedulerConfig, SchedulerTunables, TrafficClusterLimits
@@ -133,22 +147,34 @@ def run(
     settings = initial_settings(specs, cfg, budget, 1)
     if not adaptive:  # today's stacks: one budget, chunk caps no tighter than it
         bounds = static_max_waiting or {}
-        settings = Settings(budget, 1, {s.name: Knobs(budget, bounds.get(s.name), None) for s in specs})
+        cap = None if time_target is not None else budget  # time-budgeted: no cap besides the budget
+        settings = Settings(budget, 1, {s.name: Knobs(cap, bounds.get(s.name), None) for s in specs})
 
     def tunables(s: Settings) -> SchedulerTunables:
         return SchedulerTunables(
             token_budget=s.token_budget,
             clusters=tuple(
                 TrafficClusterLimits(
-                    sp.name, s.knobs(sp.name).chunk_cap, s.knobs(sp.name).max_running, sp.priority
+                    sp.name,
+                    s.knobs(sp.name).chunk_cap,
+                    s.knobs(sp.name).max_running,
+                    sp.priority,
+                    tbt_slo=sp.slo.tbt_p99,
+                    ttft_slo=sp.slo.ttft_p99,
                 )
                 for sp in specs
             ),
+            time_target=time_target,
         )
 
+    predictor = OnlineCostModel(fit.coefficients, gemm_knee=fit.gemm_knee)
+    shape = shape or ReplicaShape()
     sched = Scheduler(
-        SchedulerConfig(policy="sarathi", max_num_seqs=64, max_model_len=4096, tunables=tunables(settings)),
-        BlockManager(DEFAULT_KV_BLOCKS, 16),
+        SchedulerConfig(
+            policy="sarathi", max_num_seqs=shape.max_num_seqs, max_model_len=4096, tunables=tunables(settings)
+        ),
+        BlockManager(shape.kv_blocks, 16),
+        predictor if time_target is not None else None,
     )
     recs = {r.index: Rec(r, tokens=[]) for r in reqs}
     pending = deque(reqs)
@@ -192,7 +218,11 @@ def run(
             rec = recs[int(c.request_id)]
             if rec.scheduled is None:
                 rec.scheduled = clock
-        clock += fit.predict(iteration_features(out.chunks))
+        features = iteration_features(out.chunks)
+        dt = fit.predict(features)
+        clock += dt
+        if time_target is not None:
+            predictor.observe(features, dt)
         for c in out.chunks:
             if not c.sample:
                 continue
@@ -263,6 +293,31 @@ def score(recs: list[Rec], specs, starts: list[float], phase_s: float) -> dict:
         "attainment": good / max(total, 1),
         "phases": per_phase,
     }
+
+
+def gap_closed(value: float, base: float, ceiling: float) -> float | None:
+    """(value - base) / (ceiling - base): the share of the room above `base` that `value` takes; None
+    when there is no room."""
+    return None if ceiling - base <= 1e-12 else (value - base) / (ceiling - base)
+
+
+def cluster_figures(recs: Sequence[Rec], specs) -> dict:
+    """Per cluster: the P99 of every gap between tokens, the share of requests within their TBT SLO, and
+    the median and P99 TTFT (requests that got a first token)."""
+    out = {}
+    for sp in specs:
+        mine = [r for r in recs if r.req.cluster == sp.name]
+        gaps = [b - a for r in mine for a, b in zip(r.tokens, r.tokens[1:], strict=False)]
+        ttfts = [r.first_token - r.req.arrival for r in mine if r.first_token is not None]
+        own = [float(np.percentile(np.diff(r.tokens), 99)) for r in mine if len(r.tokens) > 1]
+        out[sp.name] = {
+            "requests": len(mine),
+            "tbt_p99_s": float(np.percentile(gaps, 99)) if gaps else None,
+            "tbt_met": sum(v <= sp.slo.tbt_p99 for v in own) / len(own) if own else None,
+            "ttft_p50_s": float(np.median(ttfts)) if ttfts else None,
+            "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+        }
+    return out
 
 
 def client_timeline(recs: Sequence[Rec], names: Sequence[str], step: float, window: float) -> list[dict]:
@@ -352,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summ-ttft-slo", type=float, default=30.0)
     p.add_argument("--budgets", default="128,256,384,512,768,1024,1536,2048")
     p.add_argument("--initial", type=int, default=512)
+    p.add_argument("--time-target", type=float, default=0.8,
+                   help="the time-budgeted run's target (share of the strictest decoding cluster's P99 TBT SLO)")  # fmt: skip
+    p.add_argument("--time-cap", type=int, default=2048, help="the time-budgeted run's cap in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once in the replica")
+    p.add_argument("--kv-blocks", type=int, default=1456,
+                   help="KV-cache blocks of 16 tokens (default: the CPU server's 1 GiB for SmolLM2-135M)")  # fmt: skip
     p.add_argument("--interval", type=float, default=10.0, help="control interval, simulated seconds")
     p.add_argument("--window", type=float, default=30.0, help="longest metrics window, simulated seconds")
     p.add_argument("--seeds", default="0", help="comma list of workload seeds; medians are reported")
@@ -392,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             "adaptive_vs_oracle",
             "oracle_vs_best_static",
             "ceiling_vs_best_static",
+            "time_budget_vs_best_static",
             "adaptive_vs_best_bounded_static",
         )
         if all(k in s for s in summaries)
@@ -431,6 +493,16 @@ def main(argv: list[str] | None = None) -> int:
           f"every request good/best static {med['ceiling_vs_best_static']:.2f}x); "
           f"worst recovery {results['seeds']['worst_recovery']} intervals; recovered within 3 intervals: "
           f"{w3['window']} of {w3['of']} phase changes (window), {w3['per_interval']} (per interval)")  # fmt: skip
+    closed = [s["time_budget_gap_closed"] for s in summaries if s["time_budget_gap_closed"] is not None]
+    print(f"time-budgeted: {med['time_budget_vs_best_static']:.2f}x the best static budget (median; per seed "
+          f"{[round(s['time_budget_vs_best_static'], 3) for s in summaries]}), closing "
+          f"{[round(c, 2) for c in closed]} of the distance to every request good")  # fmt: skip
+    for sd, s in zip(seeds, summaries, strict=True):
+        t, b = s["time_budget_clusters"], s["best_static_clusters"]
+        print(f"seed {sd}: " + "; ".join(
+            f"{n}: P99 TBT {t[n]['tbt_p99_s']} vs {b[n]['tbt_p99_s']} s, TTFT P50/P99 "
+            f"{t[n]['ttft_p50_s']}/{t[n]['ttft_p99_s']} vs {b[n]['ttft_p50_s']}/{b[n]['ttft_p99_s']} s"
+            for n in t) + " (time-budgeted vs best static)")  # fmt: skip
     if "adaptive_vs_best_bounded_static" in med:
         picks = ", ".join(s["best_bounded_static"] for s in summaries)
         print(f"ablation: adaptive/best static budget with a hand-set queue bound "
@@ -442,10 +514,11 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
     """Every static budget and the adaptive controller on one seeded workload."""
     reqs, starts = build_workload(a.phase_seconds, phases, (a.chat_scale, a.summ_scale), seed)
     horizon = a.phase_seconds * len(starts) + 1800
+    shape = ReplicaShape(a.max_num_seqs, a.kv_blocks)
     results: dict = {"config": vars(a), "seed": seed, "starts": starts, "num_requests": len(reqs),
                      "static": {}, "adaptive": None}  # fmt: skip
     for b in budgets:
-        recs, tl = run(reqs, fit, specs, cfg, b, False, a.interval, a.window, horizon)
+        recs, tl = run(reqs, fit, specs, cfg, b, False, a.interval, a.window, horizon, shape=shape)
         sc = score(recs, specs, starts, a.phase_seconds)
         sc["recovery_intervals"] = recovery_intervals(tl, starts, specs, a.interval)
         results["static"][b] = sc
@@ -458,14 +531,25 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
     bounded: dict[str, dict] = {}
     for b in budgets:
         for w in a.static_queue_bounds:
-            recs, _ = run(reqs, fit, specs, cfg, b, False, a.interval, a.window, horizon, {shed: w})
+            recs, _ = run(
+                reqs, fit, specs, cfg, b, False, a.interval, a.window, horizon, {shed: w}, shape=shape
+            )
             bounded[f"{b}/w{w}"] = sc = score(recs, specs, starts, a.phase_seconds)
             sc["rejected"] = sum(r.rejected for r in recs)
             print(f"seed {seed} static {b:5d}, {shed} maxWaiting {w}: goodput {sc['goodput']:.3f} req/s, "
                   f"per phase {[p['good'] for p in sc['phases']]}, {sc['rejected']} rejected", file=sys.stderr)  # fmt: skip
     if bounded:
         results["bounded_static"] = bounded
-    recs, tl = run(reqs, fit, specs, cfg, a.initial, True, a.interval, a.window, horizon)
+    # The engine's default: iterations budgeted in time from the SLOs of who decodes, no controller.
+    recs, _ = run(reqs, fit, specs, cfg, a.time_cap, False, a.interval, a.window, horizon,
+                  time_target=a.time_target, shape=shape)  # fmt: skip
+    timed = score(recs, specs, starts, a.phase_seconds)
+    timed["clusters"] = cluster_figures(recs, specs)
+    results["time_budget"] = timed
+    print(f"seed {seed} time-budgeted (target {a.time_target:g}, cap {a.time_cap}): goodput "
+          f"{timed['goodput']:.3f} req/s, attainment {timed['attainment']:.1%}, per phase "
+          f"{[p['good'] for p in timed['phases']]}", file=sys.stderr)  # fmt: skip
+    recs, tl = run(reqs, fit, specs, cfg, a.initial, True, a.interval, a.window, horizon, shape=shape)
     ad = score(recs, specs, starts, a.phase_seconds)
     ad["timeline"] = tl
     ad["recovery_intervals"] = recovery_intervals(tl, starts, specs, a.interval)
@@ -478,6 +562,8 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
     ad["rejected"] = sum(r.rejected for r in recs)
     results["adaptive"] = ad
     best_static = max(budgets, key=lambda b: results["static"][b]["goodput"])
+    recs, _ = run(reqs, fit, specs, cfg, best_static, False, a.interval, a.window, horizon, shape=shape)
+    results["static"][best_static]["clusters"] = cluster_figures(recs, specs)
 
     def best_in_phase(i: int) -> int:
         return max(budgets, key=lambda b: results["static"][b]["phases"][i]["good"])
@@ -500,6 +586,14 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
         "oracle_vs_best_static": oracle_goodput / max(results["static"][best_static]["goodput"], 1e-9),
         "ceiling_goodput": ceiling_goodput,
         "ceiling_vs_best_static": ceiling_goodput / max(results["static"][best_static]["goodput"], 1e-9),
+        "time_budget_goodput": timed["goodput"],
+        "time_budget_vs_best_static": timed["goodput"] / max(results["static"][best_static]["goodput"], 1e-9),
+        # how much of the distance from the best static budget to every request good it closes
+        "time_budget_gap_closed": gap_closed(
+            timed["goodput"], results["static"][best_static]["goodput"], ceiling_goodput
+        ),
+        "time_budget_clusters": timed["clusters"],
+        "best_static_clusters": results["static"][best_static]["clusters"],
         "recovery_intervals": ad["recovery_intervals"],
         "interval_recovery_intervals": ad["interval_recovery_intervals"],
         "longest_violation_intervals": longest_episode(ad["violation_episodes"]),

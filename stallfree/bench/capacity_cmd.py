@@ -25,7 +25,7 @@ from stallfree.bench.metrics import SLO, meets_attainment, meets_capacity_slo, s
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
 from stallfree.bench.simulate import caching_modes, config_label, workload_of
-from stallfree.bench.simulator import parse_policy_entry
+from stallfree.bench.simulator import ServerEntry, parse_server_entry
 from stallfree.bench.traces import Trace
 
 
@@ -107,8 +107,14 @@ def criterion(args):
     return lambda s, t: meets_capacity_slo(s, t, args.slo_delay)
 
 
+def server_slo(server: ServerEntry, slos: list[float], slo: SLO) -> tuple[float, float] | None:
+    """What a time-budgeted server is told: the strictest P99 TBT SLO searched and the TTFT SLO (a
+    server with a token budget is told nothing)."""
+    return None if server.time_target is None else (min(slos), slo.ttft)
+
+
 def simulated(
-    policy: str, budget: int, trace: Trace, args, slos: list[float], slo: SLO, caching: bool = True
+    server: ServerEntry, trace: Trace, args, slos: list[float], slo: SLO, caching: bool = True
 ) -> dict | None:
     if not args.cost_model:
         return None
@@ -116,7 +122,8 @@ def simulated(
     from stallfree.costmodel.fitted import FittedCostModel
 
     cost = FittedCostModel.load(args.cost_model)
-    cfg = sim_config(args, policy, budget, contention_of(args.contention, cost), caching)
+    cfg = sim_config(args, server.policy, server.token_budget, contention_of(args.contention, cost), caching,
+                     server.time_target, server_slo(server, slos, slo))  # fmt: skip
     return simulate_capacity(trace, args, cost, cfg, slos, slo)
 
 
@@ -167,11 +174,14 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
     results: dict[str, dict] = {}
     t_start = time.time()
     for entry, caching in [(e, c) for e in policies for c in caching_modes(args)]:
-        policy, budget = parse_policy_entry(entry, args.token_budget)
+        server = parse_server_entry(entry, args.token_budget)
+        policy, budget = server.policy, server.token_budget
         entry = config_label(entry, caching)
         spec = ServerSpec(
             policy=policy,
             token_budget=budget,
+            time_target=server.time_target,
+            slo=server_slo(server, slos, slo),
             max_num_seqs=args.max_num_seqs,
             num_kv_blocks=args.num_kv_blocks,
             chunk_align=args.chunk_align,
@@ -182,7 +192,8 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
             extra_args=iteration_log_args(args.iteration_logs, out, entry),
             prefix_caching=caching,
         )
-        log(f"{entry}: starting stallfree serve (budget {budget}, {args.threads} thread(s))")
+        mode = f"budget {budget}" if server.time_target is None else f"time target {server.time_target:g}"
+        log(f"{entry}: starting stallfree serve ({mode}, {args.threads} thread(s))")
         with ServerProcess(spec, out / f"server-{entry.replace('@', '-')}.log") as server:
             warm_up(server.url, trace, args)
             results[entry] = {
@@ -191,7 +202,7 @@ def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo
                 "token_budget": budget,
                 "prefix_caching": caching,
             }
-        results[entry]["simulated"] = simulated(policy, budget, trace, args, slos, slo, caching)
+        results[entry]["simulated"] = simulated(server, trace, args, slos, slo, caching)
     if args.peer_url:
         log(f"peer {args.peer_url}")
         text_prompts = load_text_prompts() if args.peer_text_prompts else None

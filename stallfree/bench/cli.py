@@ -23,7 +23,7 @@ from stallfree.bench.simulate import (
     tbt_slos,
     workload_of,
 )
-from stallfree.bench.simulator import POLICY_NAMES, parse_policy_entry
+from stallfree.bench.simulator import POLICY_NAMES, parse_server_entry
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
 
 SERVE_EXAMPLE = """\
@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         default="sarathi,vllm,orca",
         help=f"comma list of {', '.join(POLICY_NAMES)}; "
-        "POLICY@BUDGET overrides --token-budget for that entry (e.g. sarathi@256,sarathi@1024)",
+        "POLICY@BUDGET overrides --token-budget for that entry (e.g. sarathi@256,sarathi@1024); sarathi@time "
+        "(or sarathi@time0.7) budgets iterations in time, as `stallfree serve` does by default, and tells the "
+        "server the strictest --slo-tbt and --slo-ttft as its SLOs",
     )
     c.add_argument("--peer-url", default=None, help="an external OpenAI-compatible server to search as well")
     c.add_argument("--peer-text-prompts", action="store_true", help=f"for the peer: {TEXT_PROMPTS_HELP}")
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         slo = SLO(ttft=args.slo_ttft, tbt=slos[0], scheduling_delay=args.slo_delay)
         for p in (getattr(args, "policies", "") or "").split(","):
             if p.strip() and args.command == "capacity":
-                parse_policy_entry(p, args.token_budget)
+                parse_server_entry(p, args.token_budget)
             elif p.strip() and p.strip() not in POLICY_NAMES:
                 raise ValueError(f"unknown policy {p.strip()!r}; choose from {', '.join(POLICY_NAMES)}")
         trace = load_workload_trace(args)

@@ -38,6 +38,10 @@ class ServerSpec:
     threads: int = 1  # torch CPU threads (OMP_NUM_THREADS)
     extra_args: list[str] = field(default_factory=list)
     prefix_caching: bool = True
+    # Time-budgeted iterations (sarathi): the target (token_budget is then the cap) and the one cluster's
+    # SLOs (P99 TBT, P99 TTFT) the server is told, as a user who writes SLOs and nothing else
+    time_target: float | None = None
+    slo: tuple[float, float] | None = None
 
     def command(self, port: int) -> list[str]:
         policy, hybrid = split_policy(self.policy)
@@ -47,6 +51,11 @@ class ServerSpec:
         cmd = [*head, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                "--token-budget", str(self.token_budget), "--max-num-seqs", str(self.max_num_seqs),
                "--chunk-align", str(self.chunk_align), "--log-level", "warning"]  # fmt: skip
+        if self.time_target is not None:
+            cmd += ["--time-target", str(self.time_target)]
+        if self.slo is not None:
+            tbt, ttft = self.slo
+            cmd += ["--traffic-cluster", f"name=default,tbtP99Seconds={tbt:g},ttftP99Seconds={ttft:g}"]
         if self.num_kv_blocks:
             cmd += ["--num-kv-blocks", str(self.num_kv_blocks)]
         if self.chunk_context_scale:

@@ -132,8 +132,18 @@ def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: SLO, bar=N
     return {"by_tbt_slo": out, "runs": {str(q): s for q, s in sorted(search.runs.items())}}
 
 
-def sim_config(args, policy: str, budget: int, contention: float, caching: bool = True) -> SimConfig:
-    """The simulated replica for a bench command's server knobs (--max-num-seqs, --num-kv-blocks, ...)."""
+def sim_config(
+    args,
+    policy: str,
+    budget: int,
+    contention: float,
+    caching: bool = True,
+    time_target: float | None = None,
+    slo: tuple[float, float] | None = None,
+) -> SimConfig:
+    """The simulated replica for a bench command's server knobs (--max-num-seqs, --num-kv-blocks, ...);
+    with `time_target`, time-budgeted iterations under the one cluster's (P99 TBT, P99 TTFT) `slo`."""
+    tbt, ttft = slo or (None, None)
     return SimConfig(
         policy=policy,
         token_budget=budget,
@@ -145,6 +155,9 @@ def sim_config(args, policy: str, budget: int, contention: float, caching: bool 
         overhead_s=args.overhead_ms / 1e3,
         contention=contention,
         enable_prefix_caching=caching,
+        time_target=time_target,
+        tbt_slo=tbt,
+        ttft_slo=ttft,
     )
 
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 from stallfree.bench.metrics import ERROR, OK, RequestRecord
 from stallfree.bench.traces import Workload
+from stallfree.costmodel.calibrate import OnlineCostModel
 from stallfree.costmodel.features import iteration_features
 from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.engine.block_manager import BlockManager
-from stallfree.engine.config import SchedulerConfig, SchedulerTunables
+from stallfree.engine.config import SchedulerConfig, SchedulerTunables, TrafficClusterLimits
 from stallfree.engine.request import Request, RequestStatus
 from stallfree.engine.sampling_params import SamplingParams
-from stallfree.engine.scheduler import Scheduler
+from stallfree.engine.scheduler import IterationCostModel, Scheduler
 
 # The server's CPU default: 1 GiB of fp32 KV cache for SmolLM2-135M (46080 bytes per token) in 16-token blocks.
 DEFAULT_KV_BLOCKS = 1456
@@ -37,6 +38,40 @@ def split_policy(name: str) -> tuple[str, bool]:
     if name == "sarathi-nohybrid":
         return "sarathi", False
     return name, True
+
+
+TIME_TARGET = 0.8  # `stallfree serve`'s default time target and cap (engine/serve_cli.py)
+TIME_CAP = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ServerEntry:
+    """One server of a bench command: a policy with a token budget, or sarathi budgeted in time
+    (`time_target` set; `token_budget` is then the cap)."""
+
+    policy: str
+    token_budget: int
+    time_target: float | None = None
+
+
+def parse_server_entry(entry: str, default_budget: int) -> ServerEntry:
+    """`sarathi@1024` -> a fixed budget of 1024; `sarathi@time` (or `sarathi@time0.7`) -> time-budgeted
+    iterations at the server's default target (or 0.7), with its default cap; a bare name takes
+    `default_budget`."""
+    name, _, spec = entry.strip().partition("@")
+    if not spec.startswith("time"):
+        return ServerEntry(*parse_policy_entry(entry, default_budget))
+    split_policy(name)
+    if name != "sarathi":
+        raise ValueError(f"policy {entry!r}: only sarathi budgets its iterations in time")
+    target = spec[len("time") :]
+    try:
+        value = float(target) if target else TIME_TARGET
+    except ValueError:
+        raise ValueError(f"policy {entry!r}: after @time comes the target, e.g. sarathi@time0.8") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"policy {entry!r}: the time target must be in (0, 1]")
+    return ServerEntry(name, TIME_CAP, value)
 
 
 def parse_policy_entry(entry: str, default_budget: int) -> tuple[str, int]:
@@ -72,8 +107,12 @@ class SimConfig:
     overhead_s: float = 0.0  # per-iteration time outside the profiled engine step (server loop, streaming)
     contention: float = 1.0  # multiply the cost model's (idle-box) time: how much slower a shared box runs
     enable_prefix_caching: bool = True  # as `stallfree serve` (the same block manager, so the same hits)
+    # Time-budgeted iterations (stallfree serve's default): the target, and the SLOs of the one cluster
+    time_target: float | None = None
+    tbt_slo: float | None = None
+    ttft_slo: float | None = None
 
-    def scheduler(self) -> Scheduler:
+    def scheduler(self, cost_model: IterationCostModel | None = None) -> Scheduler:
         policy, hybrid = split_policy(self.policy)
         cfg = SchedulerConfig(
             policy=policy,
@@ -82,12 +121,16 @@ class SimConfig:
             chunk_align=self.chunk_align,
             chunk_context_scale=self.chunk_context_scale,
             hybrid_batching=hybrid,
-            tunables=SchedulerTunables(token_budget=self.token_budget),
+            tunables=SchedulerTunables(
+                token_budget=self.token_budget,
+                clusters=(TrafficClusterLimits(tbt_slo=self.tbt_slo, ttft_slo=self.ttft_slo),),
+                time_target=self.time_target,
+            ),
         )
         bm = BlockManager(
             self.num_kv_blocks, self.block_size, enable_prefix_caching=self.enable_prefix_caching
         )
-        return Scheduler(cfg, bm)
+        return Scheduler(cfg, bm, cost_model)
 
 
 @dataclass(slots=True)
@@ -102,8 +145,11 @@ class SimResult:
 def simulate(
     workload: Workload, cost: FittedCostModel, config: SimConfig, max_iterations: int = 2_000_000
 ) -> SimResult:
-    """Replay the workload through the real scheduler; returns one record per request."""
-    sched = config.scheduler()
+    """Replay the workload through the real scheduler; returns one record per request. Time-budgeted
+    iterations are predicted as the engine does, by its calibrated cost model (the profile as prior,
+    refitted from the simulated iteration times)."""
+    predictor = OnlineCostModel(cost.coefficients, gemm_knee=cost.gemm_knee)
+    sched = config.scheduler(predictor if config.time_target is not None else None)
     records = {
         r.index: RequestRecord(
             index=r.index,
@@ -144,7 +190,10 @@ def simulate(
             rec = records[int(c.request_id)]
             if rec.scheduling_delay is None:
                 rec.scheduling_delay = clock - rec.arrival
-        dt = cost.predict(iteration_features(out.chunks)) * config.contention + config.overhead_s
+        features = iteration_features(out.chunks)
+        dt = cost.predict(features) * config.contention + config.overhead_s
+        if config.time_target is not None:
+            predictor.observe(features, dt)
         clock += dt
         res.busy_s += dt
         res.iteration_times.append(dt)

@@ -68,3 +68,14 @@ def test_profile_on_a_dummy_model(tmp_path, capsys):
         "float32",
         "cpu",
     )
+
+
+def test_a_time_budgeted_server_gets_its_target_and_slos():
+    spec = ServerSpec(policy="sarathi", token_budget=2048, time_target=0.7, slo=(0.5, 5.0))
+    engine, settings = build_configs(build_parser().parse_args(spec.command(8123)[4:]))
+    tunables = engine.scheduler.tunables
+    assert (tunables.time_target, tunables.token_budget) == (0.7, 2048)
+    default = tunables.cluster("default")
+    assert (default.tbt_slo, default.ttft_slo) == (0.5, 5.0)
+    pinned = ServerSpec(policy="sarathi", token_budget=256).command(8123)
+    assert build_configs(build_parser().parse_args(pinned[4:]))[0].scheduler.tunables.time_target is None

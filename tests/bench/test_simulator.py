@@ -7,7 +7,16 @@ from bench_factories import make_sim_workload
 from costmodel_factories import make_cost_model
 
 from stallfree.bench.metrics import OK, SLO, summarize
-from stallfree.bench.simulator import SimConfig, parse_policy_entry, simulate, split_policy
+from stallfree.bench.simulator import (
+    TIME_CAP,
+    TIME_TARGET,
+    ServerEntry,
+    SimConfig,
+    parse_policy_entry,
+    parse_server_entry,
+    simulate,
+    split_policy,
+)
 from stallfree.bench.traces import TraceRequest, Workload
 
 
@@ -67,3 +76,32 @@ def test_policy_names():
     assert split_policy("vllm") == ("vllm", True)
     with pytest.raises(ValueError, match="unknown policy"):
         split_policy("fcfs")
+
+
+def test_server_entries_may_budget_in_time():
+    assert parse_server_entry("sarathi@512", 256) == ServerEntry("sarathi", 512)
+    assert parse_server_entry("sarathi@time", 256) == ServerEntry("sarathi", TIME_CAP, TIME_TARGET)
+    assert parse_server_entry("sarathi@time0.6", 256) == ServerEntry("sarathi", TIME_CAP, 0.6)
+    for bad, msg in (
+        ("vllm@time", "only sarathi"),
+        ("sarathi@time2", r"\(0, 1\]"),
+        ("sarathi@timex", "target"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            parse_server_entry(bad, 256)
+
+
+def test_time_budgeted_iterations_hold_the_tbt_slo_a_large_token_budget_breaks(tmp_path):
+    # Long prompts arriving while others decode: a 1024-token budget stalls the decodes for a whole chunk
+    # iteration; budgeted in time, the chunks shrink to what the TBT SLO leaves while anyone decodes.
+    wl = make_sim_workload(tmp_path, n=60, qps=1.0, prompt=1200)
+    cost, slo = make_cost_model(), SLO(ttft=60, tbt=0.25)
+    big = summarize(simulate(wl, cost, SimConfig(token_budget=1024)).records, slo)
+    timed_cfg = SimConfig(token_budget=1024, time_target=0.8, tbt_slo=0.25)
+    timed = simulate(wl, cost, timed_cfg)
+    assert all(r.outcome == OK for r in timed.records)
+    assert big["tbt_s"]["p99"] > 0.25
+    assert summarize(timed.records, slo)["tbt_s"]["p99"] <= 0.25
+    # ... and with nothing decoding a prompt still gets the whole cap: a lone prompt in one iteration
+    lone = simulate(one_request_workload(900, 2), cost, timed_cfg)
+    assert lone.num_iterations == 2
