@@ -74,9 +74,10 @@ class Engine:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 240) -> None:
+        # --token-budget alone: the tokens mode this controller test tunes (serve's default is time mode)
         cmd = [sys.executable, "-m", "stallfree", "serve", "--port", str(self.port), "--admin-token", TOKEN,
                "--traffic-clusters", str(self.config), "--stats-window", "10", "--max-num-seqs", "16",
-               "--log-level", "warning"]  # fmt: skip
+               "--token-budget", "1024", "--log-level", "warning"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
         deadline = time.monotonic() + timeout
