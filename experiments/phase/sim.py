@@ -633,12 +633,17 @@ def plot(
     g = [results["static"][b]["goodput"] for b in budgets]
     ax1.bar([str(b) for b in budgets], g, color="#999", label="static budget")
     ax1.axhline(results["adaptive"]["goodput"], color="C3", lw=2, label="adaptive controller")
+    if results.get("time_budget"):
+        ax1.axhline(
+            results["time_budget"]["goodput"], color="C2", lw=2, label="time-budgeted (engine default)"
+        )
     ax1.axhline(results["summary"]["oracle_goodput"], color="C0", ls="--", label="per-phase oracle")
     ax1.axhline(results["summary"]["ceiling_goodput"], color="k", ls=":", label="every request good")
     ax1.set_xlabel("static token budget")
     ax1.set_ylabel("goodput (requests/s meeting their SLOs)")
     # Room above the highest line for the legend, so it hides no bar.
-    top = max([*g, results["adaptive"]["goodput"], results["summary"]["ceiling_goodput"]])
+    top = max([*g, results["adaptive"]["goodput"], results["summary"]["ceiling_goodput"],
+               (results.get("time_budget") or {}).get("goodput", 0.0)])  # fmt: skip
     ax1.set_ylim(0, 1.35 * top)
     ax1.legend(loc="upper center", ncol=2, fontsize=8)
     if title:

@@ -57,16 +57,19 @@ Hysteresis: ratios observed/SLO between `slack` and `violate` hold, and a new bu
 (inside that band), so a steady signal never flips direction. Cooldowns count intervals since the last
 change; a queue bound restarts the scale cooldown but not the budget's. Chunk caps follow the budget:
 min(spec chunkCap, budget), fitted after every verdict.
+
+This is the tokens mode's policy (spec.budget.mode tokens). In time mode the engines size each iteration
+to a time target themselves, and `decide` hands over to decide_time, whose rules tune the target instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 
 from stallfree.costmodel.model import BUILTIN, CostModel
-from stallfree.operator.controller.cooldowns import restart, tick
-from stallfree.operator.controller.reading import Reading, read
+from stallfree.operator.controller.decide_time import decide_time
+from stallfree.operator.controller.outcome import Rule, conclude, next_interval
+from stallfree.operator.controller.reading import read
 from stallfree.operator.controller.rules import (
     cut_on_tbt_violation,
     escalate_tbt_at_the_floor,
@@ -86,11 +89,6 @@ from stallfree.operator.controller.rules import (
 from stallfree.operator.controller.sizing import with_caps
 from stallfree.operator.controller.targets import DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITING
 from stallfree.operator.controller.types import (
-    HOLD,
-    RESTORE,
-    SCALE_IN,
-    SCALE_OUT,
-    SHED,
     ClusterSpec,
     ControllerConfig,
     Decision,
@@ -98,11 +96,18 @@ from stallfree.operator.controller.types import (
     Snapshot,
     State,
 )
-from stallfree.operator.controller.verdict import Verdict
 
-__all__ = ["DEFAULT_MAX_RUNNING", "DEFAULT_MAX_WAITING", "RULES", "decide", "initial_settings", "with_caps"]
-
-Rule = Callable[[Reading, Settings, State], Verdict | None]
+__all__ = [
+    "DEFAULT_MAX_RUNNING",
+    "DEFAULT_MAX_WAITING",
+    "RULES",
+    "conclude",
+    "decide",
+    "decide_time",
+    "initial_settings",
+    "next_interval",
+    "with_caps",
+]
 
 # The policy, in order (the module docstring says each rule's precondition).
 RULES: tuple[Rule, ...] = (
@@ -131,7 +136,10 @@ def decide(
     cfg: ControllerConfig,
     model: CostModel = BUILTIN,
 ) -> Decision:
-    """The next settings for the fleet. `settings` are those in force; `state` comes from the last call."""
+    """The next settings for the fleet. `settings` are those in force; `state` comes from the last call.
+    In time mode (cfg.time_target set) the time-mode policy decides (decide_time.TIME_RULES)."""
+    if cfg.time_target is not None:
+        return decide_time(snap, settings, state, specs, cfg, model)
     r = read(snap, settings, specs, cfg, model, state.recent_tbt)
     st = next_interval(state, r)
     for rule in RULES:
@@ -141,48 +149,13 @@ def decide(
     raise AssertionError("unreachable: the last rule, hold_steady, always decides")
 
 
-def next_interval(state: State, r: Reading) -> State:
-    """The state counted one interval forward: cooldowns and the slack streak, and this interval's TBT
-    ratios remembered for the next `raise_memory` raises."""
-    cfg = r.cfg
-    return replace(
-        tick(state),
-        recent_tbt=(*state.recent_tbt, r.tbt_now)[-cfg.raise_memory :] if cfg.raise_memory else (),
-        slack_streak=state.slack_streak + 1 if r.all_slack else 0,
-    )
-
-
-def conclude(v: Verdict, r: Reading, st: State) -> Decision:
-    """The decision for a verdict: chunk caps fitted to its budget, and the state it leaves. Any change
-    ends the slack streak; a change other than a queue bound restarts the budget's cooldown and records
-    its direction; a scale-out/in, shed or restore (one that asks to) restarts the scale cooldown."""
-    new = with_caps(v.settings, r.specs, v.settings.token_budget)
-    s2 = st
-    if v.action != HOLD:
-        s2 = replace(s2, slack_streak=0)
-        if not v.admission_only:
-            s2 = replace(s2, last_direction=v.direction)
-        scaled = v.scale and v.action in (SCALE_OUT, SCALE_IN, SHED, RESTORE)
-        s2 = restart(s2, change=not v.admission_only, scale=scaled)
-    if v.cut_slo is not None:
-        s2 = replace(s2, cut_slo=v.cut_slo)
-    names = [v.who] if v.who else [s.name for s in r.specs]
-    return Decision(
-        settings=new,
-        state=s2,
-        action=v.action,
-        reason=v.reason,
-        cluster_actions={n: v.action for n in names},
-        cluster_reasons={n: v.reason for n in names},
-    )
-
-
 def initial_settings(
     specs: Sequence[ClusterSpec], cfg: ControllerConfig, token_budget: int, replicas: int
 ) -> Settings:
     """Settings before any decision: the spec's knobs, chunk caps within the budget, budget and replicas
-    inside their bounds."""
+    inside their bounds, and in time mode the spec's time target (`token_budget` is then the cap)."""
     b = cfg.clamp_budget(token_budget)
     n = max(cfg.replicas_min, min(cfg.replicas_max, replicas))
-    base = Settings(token_budget=b, replicas=n, clusters={s.name: s.knobs for s in specs})
+    clusters = {s.name: s.knobs for s in specs}
+    base = Settings(token_budget=b, replicas=n, clusters=clusters, time_target=cfg.time_target)
     return with_caps(base, specs, b)

@@ -46,7 +46,7 @@ def cap_running_set(r: Reading, s: Settings, st: State, why: str, throttle: tupl
     if cooling(CAP, st, r.cfg):
         return wait_out(CAP, s, why)
     name, half = throttle
-    mr = running_cap_within_target(r, s, name, half, s.token_budget)
+    mr = running_cap_within_target(r, s, name, half, r.budget)
     return Verdict(
         s.with_knobs(name, max_running=mr),
         SHED,

@@ -59,6 +59,10 @@ class Reading:
     capacity: float  # modelled prefill tokens per second per replica at the current budget
     n_decode: float  # running decodes per replica
     context: float
+    # The iteration budget modelled above: the token budget in force, or in time mode the one the time
+    # target allows now (time_budget).
+    budget: int
+    tbt_peak: float | None  # the worst TBT ratio over this and the last `raise_memory` intervals
 
     @property
     def tbt_violation(self) -> tuple[float, str] | None:
@@ -73,6 +77,12 @@ class Reading:
     def tbt_slo(self, name: str) -> float:
         """The P99 TBT SLO of cluster `name`, seconds."""
         return {s.name: s.slo.tbt_p99 for s in self.specs}[name]
+
+    @property
+    def miscalibrated(self) -> bool:
+        """The engines' cost model misses iteration times by more than `calibration_limit` (P95)."""
+        err = self.snap.cost_model_error
+        return err is not None and err > self.cfg.calibration_limit
 
 
 def _ratio(observed: float | None, slo: float) -> float | None:
@@ -173,6 +183,26 @@ def pressures(obs: Observed, settings: Settings, cfg: ControllerConfig) -> list[
     return out
 
 
+def decodes(obs: Observed, replicas: int) -> tuple[float, float]:
+    """(running decodes per replica, their mean context) the cost model is asked about."""
+    running = sum(c.running for _, c in obs)
+    context = sum(c.mean_context * c.running for _, c in obs) / running if running else 0.0
+    return running / max(replicas, 1), context
+
+
+def time_budget(snap: Snapshot, settings: Settings, specs: Sequence[ClusterSpec], model: CostModel) -> int:
+    """Time mode: the iteration budget the time target allows now, as the engines size it: with a model
+    trusted in absolute terms, the largest whose iteration fits the target x the strictest P99 TBT SLO
+    among the clusters with requests running (within the cap, settings.token_budget); else the cap."""
+    cap, target = settings.token_budget, settings.time_target
+    live = [s for s in specs if snap.cluster(s.name).running > 0]
+    if target is None or not live or not getattr(model, "absolute", False):
+        return cap
+    n_decode, context = decodes([(s, snap.cluster(s.name)) for s in specs], settings.replicas)
+    seconds = target * min(s.slo.tbt_p99 for s in live)
+    return budget_for_time(model, seconds, n_decode, context, 1, cap)
+
+
 def read(
     snap: Snapshot,
     settings: Settings,
@@ -180,14 +210,14 @@ def read(
     cfg: ControllerConfig,
     model: CostModel,
     recent: Sequence[tuple[tuple[str, float], ...]] = (),
+    budget: int | None = None,
 ) -> Reading:
-    """The signals of one interval; `recent` holds the last intervals' TBT ratios (State.recent_tbt)."""
+    """The signals of one interval; `recent` holds the last intervals' TBT ratios (State.recent_tbt).
+    `budget`: the iteration budget to model (time mode: time_budget), else the token budget in force."""
     replicas = max(settings.replicas, 1)
     obs = [(s, snap.cluster(s.name)) for s in specs]
-    running = sum(c.running for _, c in obs)
-    n_decode = running / replicas
-    context = sum(c.mean_context * c.running for _, c in obs) / running if running else 0.0
-    b = settings.token_budget
+    n_decode, context = decodes(obs, replicas)
+    b = settings.token_budget if budget is None else budget
     predicted = model.iteration_time(max(b - n_decode, 0.0), n_decode, context)
 
     tbt, predicted_tbt = tbt_ratios(obs)
@@ -233,4 +263,6 @@ def read(
         capacity=capacity,
         n_decode=n_decode,
         context=context,
+        budget=b,
+        tbt_peak=max(peaks.values()) if peaks else None,
     )

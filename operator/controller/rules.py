@@ -27,14 +27,14 @@ from stallfree.operator.controller.types import CAP, LOWER, RAISE, RESTORE, SCAL
 from stallfree.operator.controller.verdict import Verdict, hold
 
 
-def _tbt_why(r: Reading, violation: tuple[float, str]) -> str:
+def tbt_why(r: Reading, violation: tuple[float, str]) -> str:
     ratio, who = violation
     if who in r.tbt_predicted:
         return f"P99 TBT of {who} predicted at {ratio:.2f}x its SLO (no sample yet; others see that TBT)"
     return f"P99 TBT of {who} at {ratio:.2f}x its SLO"
 
 
-def _pressure_why(r: Reading, settings: Settings) -> str:
+def pressure_why(r: Reading, settings: Settings) -> str:
     if r.pressure is None:
         return (
             f"prefill arrivals {r.demand:.0f} tok/s beyond {r.capacity * settings.replicas:.0f} tok/s served"
@@ -55,7 +55,7 @@ def cut_on_tbt_violation(r: Reading, s: Settings, st: State) -> Verdict | None:
     worst, cfg, b = r.tbt_violation, r.cfg, s.token_budget
     if worst is None or b <= cfg.budget_min:
         return None
-    why = _tbt_why(r, worst)
+    why = tbt_why(r, worst)
     stricter = st.last_direction == -1 and st.cut_slo is not None and r.tbt_slo(worst[1]) < st.cut_slo
     if cooling(SHRINK, st, cfg) and st.last_direction != 1 and not stricter:
         return wait_out(SHRINK, s, why)
@@ -94,7 +94,7 @@ def escalate_tbt_at_the_floor(r: Reading, s: Settings, st: State) -> Verdict | N
     worst = r.tbt_violation
     if worst is None or s.token_budget > r.cfg.budget_min:
         return None
-    why = f"{_tbt_why(r, worst)} with the budget at its floor {r.cfg.budget_min}"
+    why = f"{tbt_why(r, worst)} with the budget at its floor {r.cfg.budget_min}"
     return escalate(r, s, st, why, decode_bound=True)
 
 
@@ -128,7 +128,7 @@ def restore_running_cap_under_pressure(r: Reading, s: Settings, st: State) -> Ve
     mr = admitted_running_cap(r, s, name, want)
     if mr is None:
         return None
-    why = _pressure_why(r, s)
+    why = pressure_why(r, s)
     if cooling(GROW, st, r.cfg):
         return wait_out(GROW, s, why)
     return Verdict(
@@ -160,7 +160,7 @@ def reopen_a_shed_queue(r: Reading, s: Settings, st: State) -> Verdict | None:
     return Verdict(
         s.with_knobs(name, max_waiting=mw),
         RESTORE,
-        f"{_pressure_why(r, s)}, TBT has slack and the budget is growing: {name} maxWaiting -> {mw}",
+        f"{pressure_why(r, s)}, TBT has slack and the budget is growing: {name} maxWaiting -> {mw}",
         who=name,
         admission_only=True,
     )
@@ -176,7 +176,7 @@ def raise_on_slack(r: Reading, s: Settings, st: State) -> Verdict | None:
     nb = raise_budget(r, s)
     if nb <= b:
         return None
-    why = _pressure_why(r, s)
+    why = pressure_why(r, s)
     if cooling(GROW, st, cfg):
         return wait_out(GROW, s, why)
     return Verdict(
@@ -197,7 +197,7 @@ def hold_for_a_recent_tbt_peak(r: Reading, s: Settings, st: State) -> Verdict | 
         return None
     return hold(
         s,
-        f"{_pressure_why(r, s)}; TBT had no slack within the last {r.cfg.raise_memory} intervals, so no raise yet",
+        f"{pressure_why(r, s)}; TBT had no slack within the last {r.cfg.raise_memory} intervals, so no raise yet",
     )
 
 
@@ -213,7 +213,7 @@ def escalate_under_pressure(r: Reading, s: Settings, st: State) -> Verdict | Non
         r.overloaded or (r.pressure is not None and not r.tbt_slack) or s.token_budget >= r.cfg.budget_max
     ):
         return None
-    why = _pressure_why(r, s)
+    why = pressure_why(r, s)
     why = why if r.overloaded else f"{why}, no TBT slack to raise the budget"
     return escalate(r, s, st, why, may_shed=not r.queue_only or (r.overloaded and not r.latency_slack))
 
@@ -222,7 +222,7 @@ def hold_under_pressure(r: Reading, s: Settings, st: State) -> Verdict | None:
     """Pressure that no rule above acts on (the calibrated limit allows no larger budget): hold."""
     if not r.pressed:
         return None
-    return hold(s, f"{_pressure_why(r, s)}; the calibrated cost model allows no larger budget")
+    return hold(s, f"{pressure_why(r, s)}; the calibrated cost model allows no larger budget")
 
 
 def _lasting_slack(r: Reading, st: State) -> bool:

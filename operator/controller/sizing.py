@@ -69,7 +69,7 @@ def admits(r: Reading, settings: Settings, name: str, max_running: int) -> bool:
     extra = max(0.0, min(max_running - c.running / reps, c.waiting / reps))
     n2 = r.n_decode + extra
     ctx = (r.context * r.n_decode + c.mean_context * extra) / n2 if n2 else 0.0
-    b = settings.token_budget
+    b = r.budget
     return r.model.iteration_time(max(b - n2, 0.0), n2, ctx) <= r.time_limit
 
 
@@ -109,7 +109,5 @@ def fits_one_replica_fewer(r: Reading, settings: Settings) -> bool:
     Capacity is taken as it would be then: the same decodes on fewer engines leave less of each budget for
     prefill (judging by today's per-replica capacity would flip-flop with scale-out)."""
     fewer = settings.replicas - 1
-    cap_fewer = prefill_capacity(
-        r.model, settings.token_budget, r.n_decode * settings.replicas / max(fewer, 1), r.context
-    )
+    cap_fewer = prefill_capacity(r.model, r.budget, r.n_decode * settings.replicas / max(fewer, 1), r.context)
     return fewer >= max(r.cfg.replicas_min, 1) and r.demand < 0.5 * cap_fewer * fewer

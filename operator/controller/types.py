@@ -96,6 +96,17 @@ class ControllerConfig:
     min_max_waiting: int = 1
     # The user's budget (spec.budget.initial): after lasting slack a lowered budget steps back up to it.
     budget_home: int | None = None
+    # Time mode (spec.budget.mode time): the spec's time target, the share of the strictest P99 TBT SLO an
+    # iteration's predicted time may take; the controller lowers it on a TBT violation and raises it back up
+    # to this value, never above. None: tokens mode (the controller moves the token budget instead).
+    time_target: float | None = None
+    # The lowest time target the controller sets (or the spec's, when that is lower), and the least a
+    # change moves it.
+    time_target_min: float = 0.2
+    time_target_step: float = 0.05
+    # Calibration health: above this P95 of |predicted / observed - 1| of the engines' iteration times, the
+    # cost model the engines budget with is miscalibrated and the time target is not raised.
+    calibration_limit: float = 0.5
 
     def __post_init__(self) -> None:
         if self.align < 1:
@@ -116,6 +127,12 @@ class ControllerConfig:
             raise ValueError("budget targets need 0 < target < guard")
         if self.raise_memory < 0:
             raise ValueError(f"raise_memory must be >= 0, got {self.raise_memory}")
+        if self.time_target is not None and not 0 < self.time_target <= 1:
+            raise ValueError(f"budget.timeTarget must be in (0, 1], got {self.time_target}")
+        if not 0 < self.time_target_min <= 1 or not 0 < self.time_target_step < 1:
+            raise ValueError("time targets need 0 < time_target_min <= 1 and 0 < time_target_step < 1")
+        if not self.calibration_limit > 0:
+            raise ValueError(f"calibration_limit must be > 0, got {self.calibration_limit}")
 
     def clamp_budget(self, value: float, *, up: bool = False) -> int:
         """Round to the tile (down, or up with up=True) and keep inside [min, max]."""
@@ -123,14 +140,25 @@ class ControllerConfig:
         tiles = -(-int(value) // a) if up else int(value) // a
         return max(self.budget_min, min(self.budget_max, tiles * a))
 
+    @property
+    def time_target_floor(self) -> float:
+        """The lowest time target the controller sets (time mode)."""
+        return min(self.time_target_min, self.time_target or 1.0)
+
+    def clamp_time_target(self, value: float) -> float:
+        """Round to 0.01 and keep inside [time_target_floor, the spec's time target] (time mode)."""
+        return max(self.time_target_floor, min(self.time_target or 1.0, round(value, 2)))
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Everything the controller sets on the fleet: one budget, per-cluster knobs, a replica count."""
+    """Everything the controller sets on the fleet: one budget, per-cluster knobs, a replica count. In time
+    mode the budget is the time target; token_budget then stays the cap of an iteration (spec.budget.max)."""
 
     token_budget: int
     replicas: int
     clusters: dict[str, Knobs] = field(default_factory=dict)
+    time_target: float | None = None  # time mode: the time target in force; None = tokens mode
 
     def knobs(self, name: str) -> Knobs:
         return self.clusters.get(name, Knobs())
@@ -141,11 +169,12 @@ class Settings:
         return replace(self, clusters=clusters)
 
     def engine_patch(self) -> dict:
-        """The PATCH /admin/v1/config document for these settings."""
-        return {
-            "tokenBudget": self.token_budget,
-            "trafficClusters": {n: k.as_engine() for n, k in sorted(self.clusters.items())},
-        }
+        """The PATCH /admin/v1/config document for these settings (timeTarget only in time mode)."""
+        doc: dict = {"tokenBudget": self.token_budget}
+        if self.time_target is not None:
+            doc["timeTarget"] = self.time_target
+        doc["trafficClusters"] = {n: k.as_engine() for n, k in sorted(self.clusters.items())}
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +204,9 @@ class Snapshot:
     clusters: dict[str, ClusterSnapshot]
     replicas_seen: int = 1  # engine replicas that reported
     kv_cache_usage: float | None = None
+    # The engines' cost-model error: P95 of |predicted / observed - 1| of their last iterations' times,
+    # worst engine (stallfree_cost_model_error_ratio{quantile="0.95"}); None when none reports it yet.
+    cost_model_error: float | None = None
 
     def cluster(self, name: str) -> ClusterSnapshot:
         return self.clusters.get(name, ClusterSnapshot(name=name))
