@@ -225,7 +225,8 @@ class Reconciler:
 
     def status(self, ctx: BuildContext, body: dict) -> dict:
         observed = self.observe(ctx, body["metadata"].get("generation", 1))
-        return status_patch(observed, body.get("status"), builders.engine_config(ctx)["tokenBudget"])
+        cfg = builders.engine_config(ctx)
+        return status_patch(observed, body.get("status"), cfg["tokenBudget"], cfg.get("timeTarget"))
 
 
 def sized_spec(

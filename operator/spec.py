@@ -20,6 +20,7 @@ KIND = "SarathiDeployment"
 PLURAL = "sarathideployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_INITIAL_TOKENS = 512  # tokens mode without budget.initial
 
 
 class _Model(BaseModel):
@@ -185,7 +186,16 @@ class Slo(_Model):
 
 
 class Budget(_Model):
-    initial: int = Field(512, ge=1)
+    """spec.budget: how an iteration is budgeted. `time` (the default): each iteration's prefill is what the
+    engine's calibrated cost model fits in `timeTarget` x the strictest P99 TBT SLO among the clusters
+    decoding in it, up to `max` tokens; the controller tunes the target. `tokens`: a token budget that
+    starts at `initial` and that the controller moves inside [min, max]. Unset, the mode is `tokens` when
+    the spec pins `initial` (and for baseline policies, which take a token budget), else `time`
+    (SarathiSpec.budget_mode)."""
+
+    mode: Literal["time", "tokens"] | None = None
+    time_target: float = Field(0.8, alias="timeTarget", gt=0, le=1)
+    initial: int | None = Field(None, ge=1)
     min: int = Field(128, ge=1)
     max: int = Field(4096, ge=1)
     align: int = Field(32, ge=1)
@@ -196,11 +206,18 @@ class Budget(_Model):
     def _check(self) -> Budget:
         if self.min > self.max:
             raise ValueError("budget.min must be <= budget.max")
-        if not self.min <= self.initial <= self.max:
+        if self.initial is not None and not self.min <= self.initial <= self.max:
             raise ValueError("budget.initial must lie in [budget.min, budget.max]")
-        if any(v % self.align for v in (self.initial, self.min, self.max)):
+        if any(v % self.align for v in (self.initial or self.min, self.min, self.max)):
             raise ValueError("budget.initial, budget.min and budget.max must be multiples of budget.align")
         return self
+
+    @property
+    def initial_tokens(self) -> int:
+        """The token budget engines start with in tokens mode: `initial`, else 512 inside [min, max]."""
+        if self.initial is not None:
+            return self.initial
+        return max(self.min, min(self.max, DEFAULT_INITIAL_TOKENS // self.align * self.align))
 
 
 class CostModelSpec(_Model):
@@ -275,9 +292,27 @@ class SarathiSpec(_Model):
         gpp, total = self.gpus_per_pod, self.parallelism.gpus_per_replica
         if gpp and total % gpp:
             raise ValueError("resources.gpusPerPod must divide parallelism.tensor x parallelism.pipeline")
+        if self.budget.mode == "time" and self.engine.policy != "sarathi":
+            raise ValueError(
+                f"budget.mode time budgets sarathi's iterations; engine.policy {self.engine.policy} takes a "
+                "token budget (budget.mode tokens)"
+            )
         return self
 
     # ---- derived values the builders share ----------------------------------------------------------
+    @property
+    def budget_mode(self) -> Literal["time", "tokens"]:
+        """budget.mode, or when unset: tokens for a spec that pins budget.initial or runs a baseline policy
+        (they take a token budget), else time."""
+        if self.budget.mode is not None:
+            return self.budget.mode
+        return "tokens" if self.budget.initial is not None or self.engine.policy != "sarathi" else "time"
+
+    @property
+    def time_target(self) -> float | None:
+        """The engines' time target (budget.timeTarget) in time mode; None in tokens mode."""
+        return self.budget.time_target if self.budget_mode == "time" else None
+
     @property
     def gpus_per_pod(self) -> int:
         """GPUs each engine pod requests (0 = CPU only)."""

@@ -118,10 +118,13 @@ def phase_of(conditions: list[dict]) -> str:
     return "Progressing"
 
 
-def status_patch(o: Observed, old_status: dict | None, token_budget: int) -> dict:
+def status_patch(
+    o: Observed, old_status: dict | None, token_budget: int, time_target: float | None = None
+) -> dict:
     """The status fields the operator owns. Budget-controller fields (trafficClusters, budget decisions,
-    desiredReplicas, SLOMet) are left as they are, except that status.budget.tokenBudget always shows the
-    budget in force (the controller's once it decided, else spec.budget.initial)."""
+    desiredReplicas, SLOMet) are left as they are, except that status.budget always shows the budget in
+    force: its mode, tokenBudget (the controller's once it decided, else spec.budget.initial; in time mode
+    the cap) and in time mode timeTarget (the controller's, else spec.budget.timeTarget)."""
     old_status = old_status or {}
     conditions = merge_conditions(old_status.get("conditions"), conditions_for(o))
     patch = {
@@ -133,8 +136,13 @@ def status_patch(o: Observed, old_status: dict | None, token_budget: int) -> dic
         **o.extra,
     }
     budget = dict(old_status.get("budget") or {})
-    if budget.get("tokenBudget") != token_budget:
-        patch["budget"] = {**budget, "tokenBudget": token_budget}
+    in_force: dict = {"mode": "tokens" if time_target is None else "time", "tokenBudget": token_budget}
+    if time_target is not None:
+        in_force["timeTarget"] = time_target
+    elif "timeTarget" in budget:
+        in_force["timeTarget"] = None  # back in tokens mode: a merge patch removes it
+    if any(budget.get(k) != v for k, v in in_force.items()):
+        patch["budget"] = {**budget, **in_force}
     return patch
 
 
@@ -185,7 +193,7 @@ def controller_status(loop: ControlLoop) -> dict:
         if when:
             item["lastDecisionTime"] = when
         clusters.append(item)
-    budget: dict = {"tokenBudget": s.token_budget}
+    budget = budget_in_force(loop)
     if worst_tbt is not None:
         budget["observedTbtP99Seconds"] = round(worst_tbt, 4)
     if step:
@@ -198,13 +206,53 @@ def controller_status(loop: ControlLoop) -> dict:
     }
 
 
+def budget_in_force(loop: ControlLoop) -> dict:
+    """status.budget's settings: the mode, the token budget (time mode: the cap), the time target (time
+    mode) and the engines' cost-model error last read (the worst engine's P95)."""
+    s = loop.settings
+    doc: dict = {
+        "mode": "tokens" if loop.config.time_target is None else "time",
+        "tokenBudget": s.token_budget,
+    }
+    if s.time_target is not None:
+        doc["timeTarget"] = s.time_target
+    snap = loop.last.snapshot if loop.last else None
+    if snap is not None and snap.cost_model_error is not None:
+        doc["costModelErrorP95"] = round(snap.cost_model_error, 4)
+    return doc
+
+
 def _controller_condition(ctype: str, status: str, reason: str, message: str) -> dict:
     return {"type": ctype, "status": status, "reason": reason, "message": message}
 
 
+def calibration_condition(loop: ControlLoop) -> dict:
+    """CostModelCalibrated (time mode): whether the engines' cost model, which sizes every iteration to the
+    time target, predicts iteration times within the controller's limit (P95 of |predicted / observed - 1|,
+    the worst engine). While it does not, the controller never raises the time target."""
+    snap = loop.last.snapshot if loop.last else None
+    err = snap.cost_model_error if snap is not None else None
+    limit = loop.config.calibration_limit
+    if err is None:
+        return _controller_condition(
+            "CostModelCalibrated", "Unknown", "NoData", "the engines report no iteration predictions yet"
+        )
+    if err > limit:
+        return _controller_condition(
+            "CostModelCalibrated", "False", "Miscalibrated",
+            f"the engines' cost model misses iteration times by {err:.2f} (P95 |predicted/observed - 1|, "
+            f"worst engine; limit {limit:g}): the time target is not raised until it recovers",
+        )  # fmt: skip
+    return _controller_condition(
+        "CostModelCalibrated", "True", "Calibrated",
+        f"P95 |predicted/observed - 1| of iteration times {err:.2f} (worst engine; limit {limit:g})",
+    )  # fmt: skip
+
+
 def controller_conditions(loop: ControlLoop, all_met: bool | None) -> list[dict]:
-    """MetricsAvailable, SettingsApplied and SLOMet, stamped with the loop's clock (merge_conditions keeps
-    the earlier lastTransitionTime of a condition whose status did not move)."""
+    """MetricsAvailable, SettingsApplied and SLOMet (and in time mode CostModelCalibrated), stamped with
+    the loop's clock (merge_conditions keeps the earlier lastTransitionTime of a condition whose status did
+    not move)."""
     now = _iso(loop.clock())
     # Metrics read but the engines refused the settings: the data is fine, the apply is not; say so in its
     # own condition rather than blaming the metrics.
@@ -226,4 +274,7 @@ def controller_conditions(loop: ControlLoop, all_met: bool | None) -> list[dict]
         slo = _controller_condition("SLOMet", "True", "SLOsMet", "every traffic cluster met its SLOs")
     else:
         slo = _controller_condition("SLOMet", "False", "SLOViolated", loop.last.reason if loop.last else "")
-    return [{**c, "lastTransitionTime": now} for c in (metrics, applied, slo)]
+    out = [metrics, applied, slo]
+    if loop.config.time_target is not None:
+        out.append(calibration_condition(loop))
+    return [{**c, "lastTransitionTime": now} for c in out]

@@ -1,13 +1,16 @@
-"""The engine config (ConfigMap key engine.yaml) and the admin-token Secret."""
+"""The engine config (ConfigMap keys engine.yaml and, in time mode with a profile, cost_model.json) and the
+admin-token Secret."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import yaml
 
 from stallfree.operator.builders.meta import (
     CONFIG_KEY,
+    COST_MODEL_KEY,
     BuildContext,
     Owner,
     admin_secret_name,
@@ -47,20 +50,45 @@ def traffic_clusters(ctx: BuildContext, *, tuned: bool = True) -> list[dict]:
 
 
 def token_budget(ctx: BuildContext, *, tuned: bool = True) -> int:
-    """The iteration budget engines start with: the controller's value (kept inside [min, max]) or
-    spec.budget.initial."""
+    """The iteration budget engines start with. Tokens mode: the controller's value (kept inside [min,
+    max]) or spec.budget.initial. Time mode: spec.budget.max, the cap of an iteration."""
     b = ctx.spec.budget
+    if ctx.spec.time_target is not None:
+        return b.max
     if tuned and ctx.tuned.token_budget is not None:
         return max(b.min, min(b.max, ctx.tuned.token_budget))
-    return b.initial
+    return b.initial_tokens
+
+
+def time_target(ctx: BuildContext, *, tuned: bool = True) -> float | None:
+    """Time mode: the time target engines start with, the controller's value (never above the spec's) or
+    spec.budget.timeTarget; None in tokens mode."""
+    spec_target = ctx.spec.time_target
+    if spec_target is None:
+        return None
+    if tuned and ctx.tuned.time_target is not None and ctx.tuned.time_target > 0:
+        return min(spec_target, ctx.tuned.time_target)
+    return spec_target
 
 
 def engine_config(ctx: BuildContext, *, tuned: bool = True) -> dict:
-    """The document the engine reads from --traffic-clusters (see the engine contract in docs/operator.md)."""
-    return {
-        "tokenBudget": token_budget(ctx, tuned=tuned),
-        "trafficClusters": traffic_clusters(ctx, tuned=tuned),
-    }
+    """The document the engine reads from --traffic-clusters (see the engine contract in docs/operator.md):
+    tokenBudget, in time mode timeTarget, and the traffic clusters."""
+    doc: dict = {"tokenBudget": token_budget(ctx, tuned=tuned)}
+    target = time_target(ctx, tuned=tuned)
+    if target is not None:
+        doc["timeTarget"] = target
+    doc["trafficClusters"] = traffic_clusters(ctx, tuned=tuned)
+    return doc
+
+
+def cost_model_document(ctx: BuildContext) -> dict | None:
+    """Time mode with spec.controller.costModel: the profile as a cost_model.json the engine reads with
+    --cost-model (the prior its calibration starts from); None otherwise."""
+    cm = ctx.spec.controller.cost_model
+    if ctx.spec.time_target is None or cm is None:
+        return None
+    return {"coefficients": cm.coefficients()}
 
 
 def render_engine_config(ctx: BuildContext, *, tuned: bool = True) -> str:
@@ -72,8 +100,13 @@ def build_config_map(ctx: BuildContext) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(ctx.owner, config_map_name(ctx.owner), "config"),
-        "data": {CONFIG_KEY: render_engine_config(ctx)},
+        "data": {CONFIG_KEY: render_engine_config(ctx), **_cost_model_data(ctx)},
     }
+
+
+def _cost_model_data(ctx: BuildContext) -> dict[str, str]:
+    doc = cost_model_document(ctx)
+    return {} if doc is None else {COST_MODEL_KEY: json.dumps(doc, indent=2, sort_keys=True) + "\n"}
 
 
 def build_admin_secret(owner: Owner, token: str) -> dict:

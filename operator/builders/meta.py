@@ -19,6 +19,7 @@ LABEL_DEPLOYMENT = "serving.stallfree.dev/deployment"
 LABEL_REPLICA = "serving.stallfree.dev/replica"
 ANNOTATION_CONFIG_HASH = "serving.stallfree.dev/config-hash"
 CONFIG_KEY = "engine.yaml"
+COST_MODEL_KEY = "cost_model.json"  # time mode with spec.controller.costModel: the engine's --cost-model
 CONFIG_DIR = "/etc/stallfree"
 MODELS_DIR = "/models"
 
@@ -50,6 +51,7 @@ class Tuned:
     """Values the budget controller chose (read from the CR status); None = not tuned yet."""
 
     token_budget: int | None = None
+    time_target: float | None = None  # time mode
     replicas: int | None = None
     clusters: dict[str, dict[str, int]] = field(
         default_factory=dict
@@ -64,10 +66,13 @@ class Tuned:
             if knobs and item.get("name"):
                 clusters[item["name"]] = knobs
         budget = status.get("budget") or {}
+        decided = bool(budget.get("lastDecision"))
+        mode = budget.get("mode")  # the mode they were tuned in: a value of the other mode is not a tuning
         return cls(
-            # The operator mirrors the budget in force into status.budget.tokenBudget; it is the
-            # controller's choice only once the controller has recorded a decision.
-            token_budget=budget.get("tokenBudget") if budget.get("lastDecision") else None,
+            # The operator mirrors the budget in force into status.budget.tokenBudget (and timeTarget); it
+            # is the controller's choice only once the controller has recorded a decision.
+            token_budget=budget.get("tokenBudget") if decided and mode != "time" else None,
+            time_target=budget.get("timeTarget") if decided and mode != "tokens" else None,
             replicas=status.get("desiredReplicas"),
             clusters=clusters,
         )

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import copy
 
-from stallfree.operator.builders.config import engine_config, token_budget
+from stallfree.operator.builders.config import (
+    cost_model_document,
+    engine_config,
+    time_target,
+    token_budget,
+)
 from stallfree.operator.builders.meta import (
     ANNOTATION_CONFIG_HASH,
     CONFIG_DIR,
     CONFIG_KEY,
+    COST_MODEL_KEY,
     LABEL_REPLICA,
     MODELS_DIR,
     BuildContext,
@@ -35,12 +41,26 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 STS_POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 
+def budget_args(ctx: BuildContext, cost_model_path: str | None = None) -> list[str]:
+    """How `stallfree serve` budgets iterations. Tokens mode: --token-budget alone (the paper's fixed
+    budget, which the controller retunes). Time mode: --token-budget as the cap with --time-target, and
+    `cost_model_path` as --cost-model (the calibration's prior) when given."""
+    args = ["--token-budget", str(token_budget(ctx, tuned=False))]
+    target = time_target(ctx, tuned=False)
+    if target is not None:
+        args += ["--time-target", f"{target:g}"]
+        if cost_model_path is not None:
+            args += ["--cost-model", cost_model_path]
+    return args
+
+
 def engine_args(ctx: BuildContext) -> list[str]:
     """Arguments of `stallfree serve` (the engine's CLI contract)."""
     s = ctx.spec
     max_len = ["--max-model-len", str(s.model.max_model_len)] if s.model.max_model_len else []
     scale = s.budget.chunk_context_scale
     charge = ["--chunk-context-scale", str(scale)] if scale is not None else []
+    prior = f"{CONFIG_DIR}/{COST_MODEL_KEY}" if cost_model_document(ctx) is not None else None
     return [
         "--model", engine_model_arg(ctx),
         "--served-model-name", s.model.name,
@@ -48,7 +68,7 @@ def engine_args(ctx: BuildContext) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(s.engine.port),
         "--policy", s.engine.policy,
-        "--token-budget", str(token_budget(ctx, tuned=False)),
+        *budget_args(ctx, prior),
         *charge,
         "--max-num-seqs", str(s.engine.max_num_seqs),
         "--block-size", str(s.engine.block_size),
@@ -180,7 +200,7 @@ def pod_template(
         "metadata": {
             "labels": {**labels(ctx.owner), **(extra_labels or {})},
             "annotations": {
-                ANNOTATION_CONFIG_HASH: content_hash(engine_config(ctx, tuned=False)),
+                ANNOTATION_CONFIG_HASH: _config_hash(ctx),
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(spec.engine.port),
                 "prometheus.io/path": "/metrics",
@@ -188,6 +208,14 @@ def pod_template(
         },
         "spec": pod,
     }
+
+
+def _config_hash(ctx: BuildContext) -> str:
+    """What the engines read at start (the spec's engine.yaml, and the cost-model prior when there is one):
+    a change to it rolls the pods; the controller's run-time tuning does not."""
+    doc = engine_config(ctx, tuned=False)
+    prior = cost_model_document(ctx)
+    return content_hash(doc if prior is None else {**doc, COST_MODEL_KEY: prior})
 
 
 def _pass_through(ctx: BuildContext, pod: dict) -> None:

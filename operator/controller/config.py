@@ -18,7 +18,7 @@ class LoopInputs:
     config: ControllerConfig
     interval_s: float
     window_s: float
-    initial_budget: int
+    initial_budget: int  # tokens mode: spec.budget.initial; time mode: the cap, spec.budget.max
     initial_replicas: int
     model: CostModel = BUILTIN  # spec.controller.costModel's profile, else the built-in shape
 
@@ -54,9 +54,11 @@ def raise_memory(window_s: float, interval_s: float) -> int:
 
 
 def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
-    """Everything a ControlLoop needs from the spec; `overrides` replace ControllerConfig fields."""
+    """Everything a ControlLoop needs from the spec; `overrides` replace ControllerConfig fields. Time mode
+    (spec.time_target set): the loop tunes the time target, and the token budget stays the cap."""
     b, r, ctl = spec.budget, spec.replicas, spec.controller
     overrides.setdefault("raise_memory", raise_memory(ctl.window_seconds, ctl.interval_seconds))
+    timed = spec.time_target is not None
     cfg = ControllerConfig(
         budget_min=b.min,
         budget_max=b.max,
@@ -64,7 +66,8 @@ def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
         replicas_min=max(r.min, 1),
         replicas_max=max(r.max, 1),
         interval_s=float(ctl.interval_seconds),
-        budget_home=b.initial,
+        budget_home=None if timed else b.initial_tokens,
+        time_target=spec.time_target,
         **overrides,
     )
     return LoopInputs(
@@ -72,7 +75,7 @@ def loop_inputs(spec: SarathiSpec, **overrides: float) -> LoopInputs:
         config=cfg,
         interval_s=float(ctl.interval_seconds),
         window_s=float(ctl.window_seconds),
-        initial_budget=b.initial,
+        initial_budget=b.max if timed else b.initial_tokens,
         initial_replicas=spec.replica_count(),
         model=BUILTIN if ctl.cost_model is None else from_coefficients(ctl.cost_model.coefficients()),
     )

@@ -101,11 +101,14 @@ class StatsSource:
         for raw in raws.values():
             if raw.get("kvCacheUsage") is not None:
                 kv.append(float(raw["kvCacheUsage"]))
+        # the worst engine's calibration: P95 of |predicted / observed - 1| of its last iterations
+        errors_p95 = [float(cal["p95"]) for raw in raws.values() if (cal := raw.get("costModelError"))]
         return Snapshot(
             time=time.time(),
             clusters=snaps,
             replicas_seen=len(raws),
             kv_cache_usage=sum(kv) / len(kv) if kv else None,
+            cost_model_error=max(errors_p95) if errors_p95 else None,
         )
 
 
@@ -118,4 +121,10 @@ def read_settings(base: str, token: str | None, replicas: int, timeout_s: float 
         name: Knobs(c.get("chunkCap"), c.get("maxWaiting"), c.get("maxRunning"))
         for name, c in (doc.get("trafficClusters") or {}).items()
     }
-    return Settings(token_budget=int(doc["tokenBudget"]), replicas=replicas, clusters=clusters)
+    target = doc.get("timeTarget")
+    return Settings(
+        token_budget=int(doc["tokenBudget"]),
+        replicas=replicas,
+        clusters=clusters,
+        time_target=None if target is None else float(target),
+    )

@@ -54,7 +54,10 @@ def settings_from_status(status: dict | None, replicas: int, fallback: Settings)
     """The settings in force according to status (written by an earlier controller run): a restarted
     operator continues from them instead of jumping back to spec.budget.initial."""
     status = status or {}
-    budget = (status.get("budget") or {}).get("tokenBudget")
+    doc = status.get("budget") or {}
+    mode = doc.get("mode")  # what they were tuned in: after a change of mode, the spec's start again
+    budget = doc.get("tokenBudget") if mode != "time" else None
+    target = doc.get("timeTarget") if mode != "tokens" else None
     clusters = dict(fallback.clusters)
     for item in status.get("trafficClusters") or []:
         if item.get("name") in clusters:
@@ -65,6 +68,7 @@ def settings_from_status(status: dict | None, replicas: int, fallback: Settings)
         token_budget=int(budget) if budget else fallback.token_budget,
         replicas=int(status.get("desiredReplicas") or replicas),
         clusters=clusters,
+        time_target=float(target) if target else fallback.time_target,
     )
 
 
@@ -175,8 +179,13 @@ def step_resource(
     was_holding = slot.loop.holding is not None
     step = slot.loop.step()
     doc = controller_status(slot.loop)
-    doc["conditions"] = merge_conditions((body.get("status") or {}).get("conditions"), doc["conditions"])
+    before = (body.get("status") or {}).get("conditions")
+    doc["conditions"] = merge_conditions(before, doc["conditions"])
     patch.status.update(doc)
+    miscalibrated = _newly_false(before, doc["conditions"], "CostModelCalibrated")
+    if miscalibrated is not None:  # one Warning when the engines' predictions go off, not one per tick
+        logger.warning("%s", miscalibrated)
+        post_event("Warning", "CostModelMiscalibrated", miscalibrated)
     if step.action != HOLD:
         message = f"budget controller: {step.action} ({step.reason})"
         logger.info("%s", message)
@@ -195,6 +204,15 @@ def step_resource(
         if not was_holding:  # one Warning when holding starts, not one per tick while it lasts
             post_event("Warning", "HoldingSettings", message)
     return doc
+
+
+def _newly_false(before: list[dict] | None, after: list[dict], ctype: str) -> str | None:
+    """The message of condition `ctype` when it turned False with this update; None otherwise."""
+    old = next((c for c in before or [] if c.get("type") == ctype), None)
+    new = next((c for c in after if c.get("type") == ctype), None)
+    if new is None or new.get("status") != "False" or (old is not None and old.get("status") == "False"):
+        return None
+    return str(new.get("message", ""))
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

@@ -132,12 +132,19 @@ class ControlLoop:
     def adopt(self, settings: Settings) -> None:
         """Take settings found in force (engine config, CR status) as the starting point, clamped. When they
         are the spec's own (nothing was tuned: a first start), there is no change to wait out, so the
-        start-up cooldowns are dropped; tuned settings keep them (a restarted controller does not jump)."""
-        b = self.config.clamp_budget(settings.token_budget)
-        n = max(self.config.replicas_min, min(self.config.replicas_max, settings.replicas))
+        start-up cooldowns are dropped; tuned settings keep them (a restarted controller does not jump).
+        In time mode the token budget is the cap and the time target is kept inside its bounds; in tokens
+        mode a time target found is dropped."""
+        cfg = self.config
+        n = max(cfg.replicas_min, min(cfg.replicas_max, settings.replicas))
         merged = dict(self.settings.clusters)
         merged.update(settings.clusters)
-        found = replace(settings, token_budget=b, replicas=n, clusters=merged)
+        if cfg.time_target is None:
+            b, t = cfg.clamp_budget(settings.token_budget), None
+        else:
+            b = cfg.budget_max
+            t = cfg.clamp_time_target(settings.time_target or cfg.time_target)
+        found = replace(settings, token_budget=b, replicas=n, clusters=merged, time_target=t)
         # Compared on this spec's clusters only: an engine may report others.
         ours = replace(found, clusters={s.name: found.knobs(s.name) for s in self.specs})
         if self.last is None and with_caps(ours, self.specs, b) == self.initial:

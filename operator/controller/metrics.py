@@ -29,6 +29,11 @@ class ControllerMetrics:
             "stallfree_controller_token_budget", "Token budget the controller set", registry=r
         )
         self.replicas = Gauge("stallfree_controller_replicas", "Replicas the controller wants", registry=r)
+        self.time_target = Gauge(
+            "stallfree_controller_time_target_ratio",
+            "Time target the controller set (share of the strictest P99 TBT SLO; 0 = tokens mode)",
+            registry=r,
+        )
         self.chunk_cap = Gauge(
             "stallfree_controller_chunk_cap_tokens", "Chunk cap the controller set", lab, registry=r
         )
@@ -43,6 +48,7 @@ class ControllerMetrics:
         self.holding.set(1 if step.holding else 0)
         self.budget.set(step.settings.token_budget)
         self.replicas.set(step.settings.replicas)
+        self.time_target.set(step.settings.time_target or 0.0)
         for name, knobs in step.settings.clusters.items():
             if knobs.chunk_cap is not None:
                 self.chunk_cap.labels(name).set(knobs.chunk_cap)

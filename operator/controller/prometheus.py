@@ -106,6 +106,7 @@ class PrometheusSource:
             clusters=snaps,
             replicas_seen=int(seen),
             kv_cache_usage=self._scalar(fleet["kv_cache_usage"]),
+            cost_model_error=self._scalar(fleet["cost_model_error"]),
         )
 
     def _replicas(self, window_s: float) -> list[ReplicaReading]:

@@ -67,10 +67,13 @@ def replica_queries(selector: str, window_s: float) -> dict[str, str]:
 
 
 def fleet_queries(selector: str) -> dict[str, str]:
-    """Fleet-wide health: how many engines report, how fresh the newest sample is, KV usage."""
+    """Fleet-wide health: how many engines report, how fresh the newest sample is, KV usage, and the
+    engines' cost-model calibration (the worst engine's P95 of |predicted / observed - 1|)."""
     s = _sel(selector)
+    p95 = _sel(",".join(m for m in ('quantile="0.95"', selector) if m))
     return {
         "replicas": f"count(stallfree_token_budget{s})",
         "age": f"max(time() - timestamp(stallfree_token_budget{s}))",
         "kv_cache_usage": f"avg(stallfree_kv_cache_usage_ratio{s})",
+        "cost_model_error": f"max(stallfree_cost_model_error_ratio{p95})",
     }

@@ -59,6 +59,9 @@ class FakeEngine:
         self.waiting = Gauge("stallfree_requests_waiting", "w", lab, registry=r)
         self.running = Gauge("stallfree_requests_running", "r", lab, registry=r)
         self.kv = Gauge("stallfree_kv_cache_usage_ratio", "kv", registry=r)
+        self.cal_error = Gauge("stallfree_cost_model_error_ratio", "e", ["quantile"], registry=r)
+        self.cal_error.labels("0.5").set(0.04)
+        self.cal_error.labels("0.95").set(0.12)
         self.budget = Gauge("stallfree_token_budget", "b", registry=r)
         self.cap = Gauge("stallfree_chunk_cap_tokens", "c", lab, registry=r)
         self.max_waiting = Gauge("stallfree_max_waiting", "mw", lab, registry=r)
@@ -110,6 +113,8 @@ class FakeEngine:
         if "tokenBudget" in doc:
             self.config["tokenBudget"] = int(doc["tokenBudget"])
             self.budget.set(self.config["tokenBudget"])
+        if "timeTarget" in doc:
+            self.config["timeTarget"] = doc["timeTarget"]
         for name, knobs in (doc.get("trafficClusters") or {}).items():
             self.config["trafficClusters"].setdefault(name, {}).update(knobs)
         self.patches.append(doc)

@@ -114,6 +114,7 @@ def test_alert_rules_load_and_evaluate(prom):
         ("StallfreeControllerHolding", False),
         ("StallfreeRequestsRejected", False),
         ("StallfreeEngineMetricsMissing", False),
+        ("StallfreeCostModelMiscalibrated", False),  # fake P95 error 0.12, under the 0.5 limit
     ],
 )
 def test_alert_expression_runs(prom, alert, expect_rows):

@@ -146,3 +146,67 @@ def test_settings_from_status_falls_back():
 
     fb = Settings(512, 1, {"chat": Knobs(None, 64, None)})
     assert settings_from_status(None, 2, fb) == Settings(512, 2, {"chat": Knobs(None, 64, None)})
+    tuned_in_time = {"budget": {"mode": "time", "tokenBudget": 4096, "timeTarget": 0.5}}
+    assert settings_from_status(tuned_in_time, 1, fb).token_budget == 512  # a cap is no tuned token budget
+    timed = Settings(4096, 1, {}, time_target=0.8)
+    tuned_in_tokens = {"budget": {"mode": "tokens", "tokenBudget": 384}}
+    assert settings_from_status(tuned_in_tokens, 1, timed).time_target == 0.8
+    assert settings_from_status(tuned_in_time, 1, timed).time_target == 0.5
+
+
+def time_body(status=None):
+    b = body(status)
+    b["spec"]["budget"] = {"min": 128, "max": 2048, "align": 32}  # no initial: time mode, target 0.8
+    return b
+
+
+def test_time_mode_tick_lowers_the_target_and_warns_once_when_calibration_goes(fleet):
+    engine, prom = fleet
+    memo = types.SimpleNamespace(reconciler=FakeReconciler())
+    cfg = OperatorConfig(prometheus_url=prom.url)
+    logger = logging.getLogger("kopf.test")
+    events: list[tuple[str, str, str]] = []
+
+    def post(*event: str) -> None:
+        events.append(event)
+
+    step_resource(time_body(), Patch(), logger, memo, cfg, now=0.0, post_event=post)
+    memo.budget_controller.loop.state = type(memo.budget_controller.loop.state)()
+    doc = step_resource(time_body(), Patch(), logger, memo, cfg, now=100.0, post_event=post)
+    budget = doc["budget"]
+    assert budget["mode"] == "time" and budget["lastDecision"] == "lower", budget
+    assert budget["tokenBudget"] == 2048 and budget["timeTarget"] < 0.8
+    assert budget["costModelErrorP95"] == pytest.approx(0.12)
+    conds = {c["type"]: c for c in doc["conditions"]}
+    assert conds["CostModelCalibrated"]["status"] == "True"
+    assert {e[1] for e in events} == {"Tuned"}  # no Warning while calibrated
+    assert memo.reconciler.applied[-1]["status"]["budget"]["timeTarget"] == budget["timeTarget"]
+
+    engine.cal_error.labels("0.95").set(0.9)
+    try:
+        prom.wait_for(
+            'max(stallfree_cost_model_error_ratio{quantile="0.95"})',
+            pred=lambda rows: rows and float(rows[0]["value"][1]) > 0.5,
+        )
+        doc = step_resource(time_body(doc), Patch(), logger, memo, cfg, now=200.0, post_event=post)
+        cond = {c["type"]: c for c in doc["conditions"]}["CostModelCalibrated"]
+        assert cond["status"] == "False" and "by 0.90" in cond["message"]
+        warnings = [e for e in events if e[0] == "Warning"]
+        assert [w[1] for w in warnings] == ["CostModelMiscalibrated"] and "by 0.90" in warnings[0][2]
+        doc = step_resource(time_body(doc), Patch(), logger, memo, cfg, now=300.0, post_event=post)
+        assert len([e for e in events if e[0] == "Warning"]) == 1  # said once, not every tick
+        assert doc["budget"]["lastDecision"] != "raise"
+    finally:
+        engine.cal_error.labels("0.95").set(0.12)
+
+
+def test_a_time_mode_restart_continues_from_the_target_in_status():
+    tuned = {"budget": {"mode": "time", "tokenBudget": 2048, "timeTarget": 0.45, "lastDecision": "lower"}}
+    memo = types.SimpleNamespace(reconciler=FakeReconciler())
+    cfg = OperatorConfig(prometheus_url="http://127.0.0.1:1")
+    doc = step_resource(time_body(tuned), Patch(), logging.getLogger("kopf.test"), memo, cfg, now=0.0)
+    assert doc["budget"]["timeTarget"] == 0.45 and doc["budget"]["tokenBudget"] == 2048
+    over = {"budget": {"timeTarget": 0.95, "tokenBudget": 512}}  # above the spec's, a tokens-mode budget
+    memo = types.SimpleNamespace(reconciler=FakeReconciler())
+    doc = step_resource(time_body(over), Patch(), logging.getLogger("kopf.test"), memo, cfg, now=0.0)
+    assert doc["budget"]["timeTarget"] == 0.8 and doc["budget"]["tokenBudget"] == 2048

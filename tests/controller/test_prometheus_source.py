@@ -56,6 +56,25 @@ def test_snapshot_reads_every_signal(fleet):
     absent = snap.cluster("absent")
     assert absent.tbt_p99 is None and absent.arrival_rate == 0  # no traffic is not missing data
     assert src.last_replicas and src.last_replicas[0].instance == engine.target
+    assert snap.cost_model_error == pytest.approx(0.12)  # the P95 series, not the median
+
+
+def test_the_cost_model_error_is_the_worst_engines(fleet):
+    engine, prom = fleet
+    other = FakeEngine(clusters=("chat",))
+    other.cal_error.labels("0.95").set(0.8)
+    try:
+        prom.set_targets([engine.target, other.target])
+        prom.wait_for(
+            "count(stallfree_cost_model_error_ratio)", pred=lambda rows: rows and rows[0]["value"][1] == "4"
+        )
+        snap = PrometheusSource(prom.url, 'job="stallfree"').snapshot(5, ["chat"])
+        assert snap.cost_model_error == pytest.approx(0.8) and snap.replicas_seen == 2
+        only = PrometheusSource(prom.url, f'job="stallfree",instance="{engine.target}"').snapshot(5, ["chat"])
+        assert only.cost_model_error == pytest.approx(0.12)  # the fleet selector applies to it too
+    finally:
+        prom.set_targets([engine.target])
+        other.close()
 
 
 def test_no_engine_for_selector_is_unavailable(fleet):

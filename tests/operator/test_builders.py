@@ -5,6 +5,7 @@ Regenerate the golden files after an intended change with: STALLFREE_UPDATE_GOLD
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import yaml
 from conftest_k8s import load_example
 from crd_schema import defaulted_spec
 
+from stallfree.costmodel.fitted import FittedCostModel
 from stallfree.engine.hub import parse_hub_uri
 from stallfree.operator.builders import (
     BuildContext,
@@ -170,6 +172,78 @@ def test_engine_args_follow_the_engine_cli_contract():
     assert charged[charged.index("--chunk-context-scale") + 1] == "1331"
 
 
+PROFILE = {"const": 0.0588, "prefillTokens": 0.00257, "decodeTokens": 0.00441, "prefillAttn": 1.73e-06,
+           "decodeAttn": 1.97e-05, "prefillChunks": 0.0146}  # fmt: skip
+
+
+def test_time_mode_is_the_default_and_a_pinned_initial_keeps_tokens_mode():
+    assert make_ctx({"model": {}}).spec.budget_mode == "time"
+    assert make_ctx({"model": {}, "budget": {"initial": 256}}).spec.budget_mode == "tokens"
+    assert make_ctx({"model": {}, "budget": {"initial": 256, "mode": "time"}}).spec.budget_mode == "time"
+    assert make_ctx({"model": {}, "budget": {"mode": "tokens"}}).spec.budget_mode == "tokens"
+    assert make_ctx({"model": {}, "engine": {"policy": "vllm"}}).spec.budget_mode == "tokens"  # a baseline
+    for example in ("sarathideployment.yaml", "multi-cluster.yaml", "llama-3.1-8b-hf.yaml", "local.yaml"):
+        assert parse_spec(load_example(example)["spec"]).budget_mode == "tokens"  # they pin initial
+
+
+def test_time_mode_engine_args_and_config_map(tmp_path):
+    """Time mode: the engines get the cap (budget.max) as --token-budget with --time-target, and engine.yaml
+    carries the same; a profile in the spec becomes cost_model.json, the engines' --cost-model prior."""
+    ctx = make_ctx({"model": {}, "budget": {"max": 2048, "timeTarget": 0.7}})
+    args = engine_args(ctx)
+    assert args[args.index("--token-budget") + 1] == "2048" and args[args.index("--time-target") + 1] == "0.7"
+    assert "--cost-model" not in args
+    cfg = engine_config(ctx)
+    assert (cfg["tokenBudget"], cfg["timeTarget"]) == (2048, 0.7) and list(cfg) == [
+        "tokenBudget",
+        "timeTarget",
+        "trafficClusters",
+    ]
+    assert set(build_children(ctx)[0]["data"]) == {"engine.yaml"}
+
+    profiled = make_ctx({"model": {}, "controller": {"costModel": PROFILE}})
+    args = engine_args(profiled)
+    assert args[args.index("--cost-model") + 1] == "/etc/stallfree/cost_model.json"
+    data = build_children(profiled)[0]["data"]
+    doc = json.loads(data["cost_model.json"])
+    assert doc["coefficients"]["const"] == 0.0588 and doc["coefficients"]["prefill_tokens"] == 0.00257
+    (tmp_path / "cost_model.json").write_text(data["cost_model.json"])  # what the engine loads
+    assert FittedCostModel.load(tmp_path / "cost_model.json").coefficients["decode_attn"] == 1.97e-05
+    # a different profile rolls the pods (the engines read it at start)
+    other = make_ctx({"model": {}, "controller": {"costModel": {**PROFILE, "const": 0.07}}})
+    assert pod_template_hash(build_children(profiled)) != pod_template_hash(build_children(other))
+
+
+def test_tokens_mode_renders_what_it_always_rendered():
+    """A pinned budget.initial: --token-budget alone, no timeTarget, no cost_model.json (even with a
+    profile: the controller plans with it, the engines run the paper's budget)."""
+    ctx = make_ctx({"model": {}, "budget": {"initial": 256}, "controller": {"costModel": PROFILE}})
+    args = engine_args(ctx)
+    assert args[args.index("--token-budget") + 1] == "256"
+    assert "--time-target" not in args and "--cost-model" not in args
+    assert list(engine_config(ctx)) == ["tokenBudget", "trafficClusters"]
+    assert set(build_children(ctx)[0]["data"]) == {"engine.yaml"}
+    explicit = make_ctx({"model": {}, "budget": {"mode": "tokens"}})
+    assert engine_config(explicit)["tokenBudget"] == 512
+
+
+def test_a_tuned_time_target_reaches_the_config_map_but_does_not_roll_pods():
+    spec = {"model": {}, "budget": {"max": 2048}}
+    status = {"budget": {"mode": "time", "tokenBudget": 2048, "timeTarget": 0.55, "lastDecision": "lower"}}
+    plain, tuned = build_children(make_ctx(spec)), build_children(make_ctx(spec, status=status))
+    assert yaml.safe_load(tuned[0]["data"]["engine.yaml"])["timeTarget"] == 0.55
+    assert pod_template_hash(plain) == pod_template_hash(tuned)
+    above = {"budget": {"timeTarget": 0.95, "lastDecision": "raise"}}
+    assert engine_config(make_ctx(spec, status=above))["timeTarget"] == 0.8  # never above the spec's
+    mirror = {"budget": {"timeTarget": 0.3}}  # the operator's own mirror, no decision yet
+    assert engine_config(make_ctx(spec, status=mirror))["timeTarget"] == 0.8
+    # after a change of mode, what was tuned in the other mode is not carried over
+    pinned = {"model": {}, "budget": {"initial": 256, "max": 2048}}
+    assert engine_config(make_ctx(pinned, status={"budget": {**status["budget"]}}))["tokenBudget"] == 256
+    was_tokens = {"budget": {"mode": "tokens", "tokenBudget": 1024, "lastDecision": "raise"}}
+    assert engine_config(make_ctx(spec, status=was_tokens))["timeTarget"] == 0.8
+
+
 def test_engine_config_copies_traffic_clusters_and_fills_defaults():
     spec = load_example("multi-cluster.yaml")["spec"]
     cfg = engine_config(make_ctx(spec))
@@ -283,6 +357,10 @@ def test_pydantic_defaults_agree_with_the_crd():
         ({"budget": {"initial": 100, "min": 128, "max": 4096, "align": 32}}, "budget.initial"),
         ({"replicas": {"min": 3, "max": 1}}, "replicas.min"),
         ({"budget": {"chunkContextScale": 0}}, "budget.chunkContextScale"),
+        ({"budget": {"timeTarget": 0}}, "budget.timeTarget"),
+        ({"budget": {"timeTarget": 1.5}}, "budget.timeTarget"),
+        ({"budget": {"mode": "seconds"}}, "budget.mode"),
+        ({"budget": {"mode": "time"}, "engine": {"policy": "vllm"}}, "budget.mode time budgets sarathi"),
         ({"trafficClusters": [{"name": "a"}, {"name": "a"}]}, "unique"),
         ({"model": {"source": {"type": "HostPath", "path": "rel"}}}, "model.source.path"),
     ],

@@ -57,6 +57,14 @@ INVALID = [
         _spec(budget={"initial": 512, "min": 128, "max": 4096, "chunkContextScale": 0}),
         "spec.budget.chunkContextScale",
     ),
+    ("budget-time-target-zero", _with("budget.timeTarget", 0), "spec.budget.timeTarget"),
+    ("budget-time-target-above-one", _with("budget.timeTarget", 1.5), "spec.budget.timeTarget"),
+    ("budget-mode-unknown", _with("budget.mode", "seconds"), "spec.budget.mode"),
+    (
+        "budget-time-mode-baseline-policy",
+        _spec(budget={"mode": "time"}, engine={"policy": "vllm"}),
+        "spec.budget.mode",
+    ),
     ("replicas-min-above-max", _spec(replicas={"min": 3, "max": 2}), "spec.replicas.min"),
     (
         "replicas-desired-above-max",
@@ -328,11 +336,23 @@ def test_api_server_fills_defaults(custom_api):
     assert spec["parallelism"] == {"pipeline": 1}  # tensor unset: 1, or sized from a HuggingFace model
     assert "memory" not in spec["resources"]  # likewise: 8Gi, or sized
     assert spec["replicas"] == {"min": 1, "max": 1}
-    assert spec["budget"] == {"initial": 512, "min": 128, "max": 4096, "align": 32}
+    # no initial: time mode (a spec that pins initial keeps tokens mode)
+    assert spec["budget"] == {"min": 128, "max": 4096, "align": 32, "timeTarget": 0.8}
     assert spec["engine"]["policy"] == "sarathi" and spec["engine"]["port"] == 8000
     assert spec["engine"]["prefixCaching"] is True
     assert spec["resources"]["gpuResourceName"] == "nvidia.com/gpu"
     assert spec["controller"] == {"enabled": True, "intervalSeconds": 15, "windowSeconds": 60}
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [{"mode": "time", "timeTarget": 1}, {"timeTarget": 0.05}, {"mode": "tokens"}, {"initial": 256}],
+    ids=["time-target-one", "time-target-small", "tokens-without-initial", "initial-alone"],
+)
+def test_api_server_accepts_both_modes(custom_api, budget: dict):
+    created = _create(custom_api, _with("budget", budget))
+    assert created["spec"]["budget"]["timeTarget"] == budget.get("timeTarget", 0.8)
+    assert ("initial" in created["spec"]["budget"]) == ("initial" in budget)  # never defaulted
 
 
 def test_api_server_keeps_a_cost_model(custom_api):

@@ -90,14 +90,42 @@ def test_example_becomes_ready_with_owned_children(
 
     table = k8s.kubectl("get", "sarathi", "smollm2", "-n", namespace).stdout.splitlines()
     header, row = table[0].split(), table[1].split()
-    assert header[:10] == ["NAME", "MODEL", "SIZE", "TP", "PP", "REPLICAS", "READY", "BUDGET", "P99-TBT",
-                           "STATUS"]  # fmt: skip
+    assert header[:12] == ["NAME", "MODEL", "SIZE", "TP", "PP", "REPLICAS", "READY", "BUDGET", "TIMETARGET",
+                           "CALERR", "P99-TBT", "STATUS"]  # fmt: skip
     # SIZE is empty for a bundled model (only hf:// sources are read from the hub), so it drops out of the split
     assert row[:7] == ["smollm2", "SmolLM2-135M-Instruct", "1", "1", "1", "1", "512"] and "Ready" in row
+    assert status["budget"]["mode"] == "tokens" and "timeTarget" not in status["budget"]  # it pins initial
 
     events = k8s.list("events", namespace)
     messages = [e["message"] for e in events if e["involvedObject"]["kind"] == "SarathiDeployment"]
     assert any("created Deployment smollm2" in m for m in messages), messages
+
+
+def test_a_spec_without_a_pinned_budget_runs_time_budgeted_engines(
+    k8s: K8sEnv, operator_all: OperatorProcess, namespace: str
+):
+    """No budget.initial: time mode. The pods get the cap and the time target, engine.yaml carries them,
+    status and `kubectl get` show the target in force."""
+    obj = load_example("sarathideployment.yaml")
+    obj["metadata"]["name"] = "timed"
+    obj["spec"]["budget"] = {"max": 2048}
+    k8s.apply(obj, namespace)
+    cr = wait_ready(k8s, "timed", namespace)
+    assert cr["spec"]["budget"] == {"min": 128, "max": 2048, "align": 32, "timeTarget": 0.8}  # defaulted
+    (pod,) = running_pods(k8s, namespace, "timed")
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--token-budget") + 1] == "2048" and args[args.index("--time-target") + 1] == "0.8"
+    engine_yaml = yaml.safe_load(k8s.get("configmap", "timed-engine", namespace)["data"]["engine.yaml"])
+    assert (engine_yaml["tokenBudget"], engine_yaml["timeTarget"]) == (2048, 0.8)
+    assert {k: cr["status"]["budget"][k] for k in ("mode", "tokenBudget", "timeTarget")} == {
+        "mode": "time",
+        "tokenBudget": 2048,
+        "timeTarget": 0.8,
+    }
+    table = k8s.kubectl("get", "sarathi", "timed", "-n", namespace).stdout.splitlines()
+    header, row = table[0].split(), table[1].split()
+    assert header.index("TIMETARGET") == header.index("BUDGET") + 1
+    assert row[6:8] == ["2048", "0.8"], row  # SIZE is empty for a bundled model: one column fewer
 
 
 def test_multi_cluster_example_runs_on_tensor_parallel_pods(

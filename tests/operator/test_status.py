@@ -48,6 +48,7 @@ def test_the_document_after_a_cut():
     when = "2026-01-01T00:00:00Z"
     assert controller_status(loop) == {
         "budget": {
+            "mode": "tokens",
             "tokenBudget": budget,
             "observedTbtP99Seconds": 0.3123,
             "lastDecision": "lower",
@@ -98,7 +99,7 @@ def test_the_document_after_a_cut():
 def test_before_any_step_only_the_settings_and_no_verdict_on_slos():
     loop = make_loop([])
     doc = controller_status(loop)
-    assert doc["budget"] == {"tokenBudget": 1024}
+    assert doc["budget"] == {"mode": "tokens", "tokenBudget": 1024}
     assert [set(c) for c in doc["trafficClusters"]] == [{"name", "tokenBudget", "chunkCap", "maxWaiting"}] * 2
     slo = {c["type"]: c for c in doc["conditions"]}["SLOMet"]
     assert (slo["status"], slo["reason"]) == ("Unknown", "NoData")
@@ -146,3 +147,62 @@ def test_merged_into_status_a_condition_keeps_when_it_last_moved():
     assert merged["SLOMet"]["lastTransitionTime"] == "2025-12-31T23:00:00Z"  # still False
     assert merged["MetricsAvailable"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
     assert merged["Ready"]["status"] == "True"  # the operator's own conditions are kept
+
+
+def make_time_loop(script: list) -> ControlLoop:
+    """A time-mode loop (spec time target 0.8, cap 2048) on a scripted source."""
+
+    class Source:
+        def snapshot(self, window_s, clusters):
+            return script.pop(0)
+
+    loop = ControlLoop.start(
+        make_specs(), make_config(time_target=0.8), 2048, 1,
+        source=Source(), apply=lambda s: None, clock=lambda: T0,
+    )  # fmt: skip
+    loop.state = State()
+    return loop
+
+
+def with_error(snap, error: float | None):
+    return snap.__class__(snap.time, snap.clusters, snap.replicas_seen, snap.kv_cache_usage, error)
+
+
+def test_time_mode_status_shows_the_target_in_force_and_the_calibration():
+    loop = make_time_loop([with_error(SLOW_CHAT, 0.1234)])
+    before = controller_status(loop)
+    assert before["budget"] == {"mode": "time", "tokenBudget": 2048, "timeTarget": 0.8}
+    step = loop.step()
+    doc = controller_status(loop)
+    assert step.action == "lower" and doc["budget"]["timeTarget"] == loop.settings.time_target < 0.8
+    assert doc["budget"]["tokenBudget"] == 2048 and doc["budget"]["costModelErrorP95"] == 0.1234
+    c = {x["type"]: x for x in doc["conditions"]}["CostModelCalibrated"]
+    assert (c["status"], c["reason"]) == ("True", "Calibrated") and "0.12" in c["message"]
+
+
+def test_a_miscalibrated_cost_model_is_a_false_condition_with_the_measured_error():
+    loop = make_time_loop([with_error(SLOW_CHAT, 0.73)])
+    loop.step()
+    c = {x["type"]: x for x in controller_status(loop)["conditions"]}["CostModelCalibrated"]
+    assert (c["status"], c["reason"]) == ("False", "Miscalibrated")
+    assert "by 0.73" in c["message"] and "limit 0.5" in c["message"] and "not raised" in c["message"]
+    unknown = make_time_loop([SLOW_CHAT])
+    unknown.step()
+    c = {x["type"]: x for x in controller_status(unknown)["conditions"]}["CostModelCalibrated"]
+    assert (c["status"], c["reason"]) == ("Unknown", "NoData")
+    tokens = make_loop([with_error(SLOW_CHAT, 0.73)])
+    tokens.step()
+    doc = controller_status(tokens)
+    assert "CostModelCalibrated" not in {x["type"] for x in doc["conditions"]}  # the time mode's concern
+    assert doc["budget"]["costModelErrorP95"] == 0.73 and "timeTarget" not in doc["budget"]
+
+
+def test_the_operator_mirrors_the_budget_in_force_in_either_mode():
+    from stallfree.operator.status import Observed, status_patch
+
+    o = Observed(generation=1, desired=1, replicas=1, ready=1, updated=1, workloads_current=True)
+    time_mode = status_patch(o, {}, 2048, 0.8)["budget"]
+    assert time_mode == {"mode": "time", "tokenBudget": 2048, "timeTarget": 0.8}
+    assert "budget" not in status_patch(o, {"budget": time_mode}, 2048, 0.8)  # steady: no write
+    back = status_patch(o, {"budget": {**time_mode, "lastDecision": "lower"}}, 512)["budget"]
+    assert back == {"mode": "tokens", "tokenBudget": 512, "timeTarget": None, "lastDecision": "lower"}
