@@ -22,6 +22,7 @@ import yaml
 
 from stallfree.operator.builders.config import engine_config
 from stallfree.operator.builders.meta import BuildContext, Owner, Tuned
+from stallfree.operator.builders.workload import budget_args
 from stallfree.operator.controller.applier import Target
 from stallfree.operator.controller.types import Settings
 from stallfree.operator.spec import SarathiSpec
@@ -38,6 +39,7 @@ def write_engine_config(
     if settings is not None:
         tuned = Tuned(
             token_budget=settings.token_budget,
+            time_target=settings.time_target,
             replicas=settings.replicas,
             clusters={n: k.as_engine() for n, k in settings.clusters.items()},
         )
@@ -75,6 +77,7 @@ class EngineFleet:
     config_path: Path
     admin_token: str
     stats_window_s: float
+    cost_model: Path | None = None  # time mode: a cost_model.json, the engines' --cost-model prior
     replicas: list[Replica] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -82,6 +85,9 @@ class EngineFleet:
         s = self.spec
         cmd = [sys.executable, "-m", "stallfree", "serve", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--policy", s.engine.policy, "--max-num-seqs", str(s.engine.max_num_seqs)]
+        # as the pods: --token-budget alone (tokens mode), or the cap with --time-target (time mode)
+        ctx = BuildContext(Owner(self.name, "local", "local"), s, {}, engine_image="")
+        cmd += budget_args(ctx, None if self.cost_model is None else str(self.cost_model))
         cmd += ["--block-size", str(s.engine.block_size), "--dtype", s.model.dtype]
         cmd += ["--traffic-clusters", str(self.config_path)]  # the admin token goes by env (_spawn)
         cmd += ["--stats-window", str(self.stats_window_s), "--log-level", "warning"]

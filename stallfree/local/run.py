@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import secrets
@@ -17,13 +18,15 @@ from pathlib import Path
 from stallfree.costmodel.model import load_cost_model
 from stallfree.local.config import LocalDeployment
 from stallfree.local.engines import EngineFleet, write_engine_config
+from stallfree.operator.builders.config import cost_model_document
+from stallfree.operator.builders.meta import COST_MODEL_KEY, BuildContext, Owner
 from stallfree.operator.controller.applier import EngineApplier
 from stallfree.operator.controller.config import loop_inputs
 from stallfree.operator.controller.direct import StatsSource, read_settings
 from stallfree.operator.controller.loop import ControlLoop
 from stallfree.operator.controller.metrics import ControllerMetrics
 from stallfree.operator.controller.types import Settings
-from stallfree.operator.status import controller_status
+from stallfree.operator.status import budget_in_force, controller_status
 
 log = logging.getLogger("stallfree.local")
 
@@ -49,6 +52,7 @@ class LocalRun:
             config_path=self.run_dir / "engine.yaml",
             admin_token=self.engine_token,
             stats_window_s=inp.window_s,
+            cost_model=self._cost_model_prior(),
         )
         self.applier = EngineApplier(self.fleet.targets, self.engine_token)
         if args.prometheus:
@@ -76,6 +80,24 @@ class LocalRun:
         self._written = self.loop.settings  # what engine.yaml holds
         write_engine_config(self.fleet.config_path, dep.name, dep.doc["spec"], spec, self._written)
 
+    def _cost_model_prior(self) -> Path | None:
+        """Time mode: the engines' --cost-model prior, --cost-model's file or spec.controller.costModel
+        written as a cost_model.json (as the operator puts it in the ConfigMap); None otherwise."""
+        spec = self.dep.spec
+        if spec.time_target is None:
+            return None
+        if self.args.cost_model is not None:
+            return Path(self.args.cost_model).resolve()
+        ctx = BuildContext(
+            Owner(self.dep.name, "local", "local"), spec, self.dep.doc["spec"], engine_image=""
+        )
+        doc = cost_model_document(ctx)
+        if doc is None:
+            return None
+        path = self.run_dir / COST_MODEL_KEY
+        path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        return path
+
     @staticmethod
     def _cooldowns(spec) -> dict:
         """The engines' stats window is fixed (unlike a Prometheus range): wait until it has turned over
@@ -99,11 +121,7 @@ class LocalRun:
         self.applier(settings)
 
     def status(self) -> dict:
-        doc = (
-            controller_status(self.loop)
-            if self.loop.last
-            else {"budget": {"tokenBudget": self.loop.settings.token_budget}}
-        )
+        doc = controller_status(self.loop) if self.loop.last else {"budget": budget_in_force(self.loop)}
         doc["endpoint"] = self.endpoint
         doc["replicas"] = len(self.fleet.replicas)
         doc["readyReplicas"] = len(self.fleet.endpoints())
@@ -232,8 +250,6 @@ class LocalRun:
         return live
 
     def write_targets(self) -> None:
-        import json
-
         targets = [f"127.0.0.1:{r.port}" for r in self.fleet.replicas]
         tmp = self.run_dir / "targets.tmp"
         tmp.write_text(json.dumps([{"targets": targets, "labels": {"job": "stallfree"}}]))

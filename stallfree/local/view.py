@@ -44,12 +44,20 @@ def render(loop: ControlLoop, endpoint: str, replicas: list[str], title: str) ->
             str(k.max_waiting if k.max_waiting is not None else "–"),
         )
     cfg = loop.config
+    if s.time_target is None:
+        budget = (("token budget ", "bold"), (str(s.token_budget), "bold magenta"),
+                  f" in [{cfg.budget_min}, {cfg.budget_max}] step {cfg.align}")  # fmt: skip
+    else:
+        err = snap.cost_model_error if snap else None
+        budget = (("time target ", "bold"), (f"{s.time_target:.2f}", "bold magenta"),
+                  f" of the P99 TBT SLO (spec {cfg.time_target:.2f}), cap {s.token_budget} tokens, "
+                  f"cost-model error {'–' if err is None else f'{err:.2f}'} (P95)")  # fmt: skip
     head = Text.assemble(
-        ("OpenAI endpoint ", "bold"), (endpoint, "cyan"),
+        ("OpenAI endpoint ", "bold"),
+        (endpoint, "cyan"),
         f"   replicas {len(replicas)}/{s.replicas}   ",
-        ("token budget ", "bold"), (str(s.token_budget), "bold magenta"),
-        f" in [{cfg.budget_min}, {cfg.budget_max}] step {cfg.align}",
-    )  # fmt: skip
+        *budget,
+    )
     if loop.holding:
         head.append(f"\nHOLDING last good settings: {loop.holding}", style="bold yellow")
     changes = [h for h in loop.history if h.action != HOLD][-6:]

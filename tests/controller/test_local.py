@@ -56,6 +56,13 @@ BAD = [
         "budget.initial must lie in [budget.min, budget.max]",
     ),
     (lambda d: d["spec"]["budget"].update(initial=250), "multiples of budget.align"),
+    (lambda d: d["spec"]["budget"].update(timeTarget=1.5), "spec.budget.timeTarget: 1.5 is greater than"),
+    (lambda d: d["spec"]["budget"].update(timeTarget=0), "spec.budget.timeTarget: Input should be greater"),
+    (lambda d: d["spec"]["budget"].update(mode="seconds"), "spec.budget.mode: 'seconds' is not one of"),
+    (
+        lambda d: d["spec"].update(budget={"mode": "time"}, engine={"policy": "orca"}),
+        "budget.mode time budgets sarathi's iterations",
+    ),
     (
         lambda d: d["spec"]["trafficClusters"][0].update(maxRunning=99),
         "trafficClusters[0] (chat).maxRunning must not exceed",
@@ -209,6 +216,52 @@ def test_budget_chunk_context_scale_reaches_the_engine_scheduler(tmp_path):
         cmd = EngineFleet("d", spec, tmp_path, tmp_path / "engine.yaml", "token", 60.0).command(free_port())
         engine_config, _ = build_configs(build_parser().parse_args(cmd[cmd.index("serve") + 1 :]))
         assert engine_config.scheduler.chunk_context_scale == scale
+
+
+PROFILE = {"const": 0.0588, "prefillTokens": 0.00257, "decodeTokens": 0.00441}
+
+
+@pytest.mark.parametrize(
+    "budget, mode, target, cap",
+    [
+        ({"initial": 256, "min": 64, "max": 1024, "align": 32}, "tokens", None, 256),
+        ({"min": 64, "max": 1024, "align": 32}, "time", 0.8, 1024),
+        ({"mode": "time", "timeTarget": 0.6, "initial": 256, "max": 1024}, "time", 0.6, 1024),
+    ],
+    ids=["initial-pinned", "time-default", "time-explicit"],
+)
+def test_budget_mode_reaches_the_engine_scheduler(tmp_path, budget, mode, target, cap):
+    """spec.budget's mode becomes `stallfree serve`'s budget flags, parsed by serve itself with the
+    engine.yaml local mode writes: tokens mode a fixed token budget, time mode the time target with the
+    cap (budget.max), and spec.controller.costModel the engines' --cost-model prior (time mode only)."""
+    import shutil
+
+    import stallfree.local.run as run_mod
+    from stallfree.engine.serve_cli import build_configs, build_parser
+    from stallfree.local import build_parser as up_parser
+
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(mutate(lambda d: d["spec"].update(
+        budget=budget, controller={**d["spec"].get("controller", {}), "costModel": PROFILE}))))  # fmt: skip
+    dep = load(path)
+    assert dep.spec.budget_mode == mode
+    run = run_mod.LocalRun(dep, up_parser().parse_args([str(path)]), None)
+    try:
+        cmd = run.fleet.command(free_port())
+        engine_config, settings = build_configs(build_parser().parse_args(cmd[cmd.index("serve") + 1 :]))
+        tunables = engine_config.scheduler.tunables
+        assert (tunables.time_target, tunables.token_budget) == (target, cap)
+        assert settings.traffic.time_target == target
+        if target is None:
+            assert engine_config.cost_model is None and "--time-target" not in cmd
+        else:
+            prior = yaml.safe_load(Path(engine_config.cost_model).read_text())
+            assert prior["coefficients"]["prefill_tokens"] == 0.00257
+        status = run.status()["budget"]
+        assert status["mode"] == mode and status.get("timeTarget") == target
+    finally:
+        run.fleet.stop()
+        shutil.rmtree(run.run_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
