@@ -135,7 +135,9 @@ def run(
     clusters' waiting queues (`static_max_waiting`, cluster -> maxWaiting): a hand-set admission limit.
     With `time_target`, iterations are budgeted in time (the engine's default): `budget` is the cap in
     tokens, the clusters' SLOs set each iteration's time, and the scheduler predicts with the engine's
-    calibrated cost model, the profile as its prior, refitted from the simulated iteration times."""
+    calibrated cost model, the profile as its prior, refitted from the simulated iteration times. Adaptive
+    with `time_target` (and `cfg.time_target` set): the controller's time mode tunes the target, admission
+    and replicas; the cap stays."""
     from stallfree.costmodel.features import iteration_features
     from stallfree.engine.block_manager import BlockManager
     from stallfree.engine.config import SchedulerConfig, SchedulerTunables, TrafficClusterLimits
@@ -164,7 +166,7 @@ def run(
                 )
                 for sp in specs
             ),
-            time_target=time_target,
+            time_target=s.time_target if adaptive else time_target,
         )
 
     predictor = OnlineCostModel(fit.coefficients, gemm_knee=fit.gemm_knee)
@@ -196,8 +198,13 @@ def run(
             # As the live loop: judge only samples taken under the settings in force (at least 5 s).
             win = max(5.0, min(window, clock - last_change))
             snap = snapshot(recs, sched, specs, clock, win, prev_waiting, interval)
+            if time_target is not None:  # what the engine exports: its cost model's P95 error
+                err = predictor.error()
+                snap = replace(snap, cost_model_error=None if err is None else err.p95)
             point = {"t": clock, "budget": settings.token_budget,
                      "tbt_p99": {sp.name: snap.cluster(sp.name).tbt_p99 for sp in specs}}  # fmt: skip
+            if settings.time_target is not None:
+                point["time_target"] = settings.time_target
             if adaptive:
                 d = decide(snap, settings, state, specs, cfg, model)
                 if d.settings != settings:
@@ -205,6 +212,8 @@ def run(
                 settings, state = d.settings, d.state
                 sched.tunables = tunables(settings)
                 point.update(budget=settings.token_budget, action=d.action, reason=d.reason)
+                if settings.time_target is not None:
+                    point["time_target"] = settings.time_target
             timeline.append(point)
             next_ctl += interval
         if not sched.has_unfinished():
@@ -454,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             "oracle_vs_best_static",
             "ceiling_vs_best_static",
             "time_budget_vs_best_static",
+            "time_controlled_vs_best_static",
             "adaptive_vs_best_bounded_static",
         )
         if all(k in s for s in summaries)
@@ -497,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"time-budgeted: {med['time_budget_vs_best_static']:.2f}x the best static budget (median; per seed "
           f"{[round(s['time_budget_vs_best_static'], 3) for s in summaries]}), closing "
           f"{[round(c, 2) for c in closed]} of the distance to every request good")  # fmt: skip
+    print(f"time-budgeted + controller: {med['time_controlled_vs_best_static']:.2f}x the best static budget "
+          f"(median; per seed {[round(s['time_controlled_vs_best_static'], 3) for s in summaries]})")  # fmt: skip
     for sd, s in zip(seeds, summaries, strict=True):
         t, b = s["time_budget_clusters"], s["best_static_clusters"]
         print(f"seed {sd}: " + "; ".join(
@@ -549,6 +561,18 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
     print(f"seed {seed} time-budgeted (target {a.time_target:g}, cap {a.time_cap}): goodput "
           f"{timed['goodput']:.3f} req/s, attainment {timed['attainment']:.1%}, per phase "
           f"{[p['good'] for p in timed['phases']]}", file=sys.stderr)  # fmt: skip
+    # ... and with the controller's time mode on top (target, admission, replicas; the cap stays)
+    cfg_time = replace(cfg, time_target=a.time_target, budget_max=max(cfg.budget_max, a.time_cap))
+    recs, ttl = run(reqs, fit, specs, cfg_time, a.time_cap, True, a.interval, a.window, horizon,
+                    time_target=a.time_target, shape=shape)  # fmt: skip
+    timed_ctl = score(recs, specs, starts, a.phase_seconds)
+    timed_ctl["clusters"] = cluster_figures(recs, specs)
+    timed_ctl["timeline"] = ttl
+    timed_ctl["rejected"] = sum(r.rejected for r in recs)
+    results["time_budget_controlled"] = timed_ctl
+    print(f"seed {seed} time-budgeted + controller: goodput {timed_ctl['goodput']:.3f} req/s, attainment "
+          f"{timed_ctl['attainment']:.1%}, per phase {[p['good'] for p in timed_ctl['phases']]}, "
+          f"{timed_ctl['rejected']} rejected", file=sys.stderr)  # fmt: skip
     recs, tl = run(reqs, fit, specs, cfg, a.initial, True, a.interval, a.window, horizon, shape=shape)
     ad = score(recs, specs, starts, a.phase_seconds)
     ad["timeline"] = tl
@@ -593,6 +617,12 @@ def one_seed(a, seed: int, phases, fit, specs, cfg: ControllerConfig, budgets: l
             timed["goodput"], results["static"][best_static]["goodput"], ceiling_goodput
         ),
         "time_budget_clusters": timed["clusters"],
+        "time_controlled_goodput": timed_ctl["goodput"],
+        "time_controlled_vs_best_static": timed_ctl["goodput"]
+        / max(results["static"][best_static]["goodput"], 1e-9),
+        "time_controlled_gap_closed": gap_closed(
+            timed_ctl["goodput"], results["static"][best_static]["goodput"], ceiling_goodput
+        ),
         "best_static_clusters": results["static"][best_static]["clusters"],
         "recovery_intervals": ad["recovery_intervals"],
         "interval_recovery_intervals": ad["interval_recovery_intervals"],
