@@ -13,7 +13,7 @@ from costmodel_factories import make_cost_model
 from experiments.sim_accuracy import compare, main
 from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import simulate_capacity
-from stallfree.bench.simulator import SimConfig
+from stallfree.bench.simulator import ServerEntry, SimConfig
 
 
 def fake_capacity_json(tmp_path, cost) -> dict:
@@ -74,11 +74,11 @@ def test_capacity_and_sweep_commands_simulate_the_same_configuration(tmp_path):
         start_qps=0.25, tolerance=0.25, slo_delay=2.0,
     )  # fmt: skip
     slo = SLO(ttft=60.0, tbt=0.2)
-    small = capacity_cmd.simulated("sarathi", 128, trace, args, [0.2], slo)
-    large = capacity_cmd.simulated("sarathi", 2048, trace, args, [0.2], slo)
+    small = capacity_cmd.simulated(ServerEntry("sarathi", 128), trace, args, [0.2], slo)
+    large = capacity_cmd.simulated(ServerEntry("sarathi", 2048), trace, args, [0.2], slo)
     assert small["by_tbt_slo"]["0.2"]["capacity_qps"] > large["by_tbt_slo"]["0.2"]["capacity_qps"]
     p_small = sweep_cmd._predict("sarathi", 128, trace, args, slo)
     p_large = sweep_cmd._predict("sarathi", 2048, trace, args, slo)
     assert p_small["tbt_s"]["p99"] < p_large["tbt_s"]["p99"]
     args.cost_model = None
-    assert capacity_cmd.simulated("sarathi", 128, trace, args, [0.2], slo) is None
+    assert capacity_cmd.simulated(ServerEntry("sarathi", 128), trace, args, [0.2], slo) is None
