@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from stallfree.bench import cli as bench_cli
+from experiments.protocol import protocol_workload
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, slo_attainment
 from stallfree.bench.serve_cmd import bench_once
-from stallfree.bench.simulate import load_workload_trace, workload_of
-from stallfree.engine.serve_cli import resolve_load_format
+from stallfree.bench.simulate import workload_of
 
 MEDIAN_BAR, P95_BAR = 0.10, 0.25
 
@@ -129,23 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/calibration")
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    args = bench_cli.build_parser().parse_args(
-        [
-            "capacity",
-            "--trace",
-            a.trace,
-            "--scale",
-            str(a.scale),
-            "--max-output-tokens",
-            str(a.max_output_tokens),
-            "--num-requests",
-            str(a.num_requests),
-            "--threads",
-            str(a.threads),
-        ]  # fmt: skip
-    )
-    trace = load_workload_trace(args)
-    model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+    args, trace, model, load_format = protocol_workload(a)
     slo = SLO(ttft=a.slo_ttft, tbt=a.slo_tbt)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,12 +27,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from stallfree.bench import cli as bench_cli
+from experiments.protocol import protocol_workload
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import OK, SLO, RequestRecord, slo_attainment
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
-from stallfree.bench.simulate import load_workload_trace, workload_of
-from stallfree.engine.serve_cli import resolve_load_format
+from stallfree.bench.simulate import workload_of
 
 
 def window_figures(records: list[RequestRecord], window: int, slo: SLO) -> dict:
@@ -83,23 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need 0 < --window < --num-requests")
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     # The capacity command's own workload options, so the requests are the protocol's.
-    args = bench_cli.build_parser().parse_args(
-        [
-            "capacity",
-            "--trace",
-            a.trace,
-            "--scale",
-            str(a.scale),
-            "--max-output-tokens",
-            str(a.max_output_tokens),
-            "--num-requests",
-            str(a.num_requests),
-            "--threads",
-            str(a.threads),
-        ]  # fmt: skip
-    )
-    trace = load_workload_trace(args)
-    model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
+    args, trace, model, load_format = protocol_workload(a)
     slo = SLO(ttft=a.slo_ttft, tbt=a.slo_tbt)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
