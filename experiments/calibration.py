@@ -13,6 +13,11 @@ Reported per seed: |predicted / observed - 1| at the median and P95 over sliding
 iterations, and N, the first iteration from which every later window meets median <= 10% and P95 <= 25%
 (None when the run never settles there). Output: calibration.json and calibration.png (the ratio per
 iteration and the windowed quantiles) in --out, and a table.
+
+    python -m experiments.calibration --logs RUN/iterations-*.jsonl [--out DIR]
+
+reads iteration logs that servers already wrote (`stallfree bench capacity --iteration-logs`, each server
+fresh) instead of running one.
 """
 
 from __future__ import annotations
@@ -33,15 +38,17 @@ from stallfree.bench.simulate import workload_of
 MEDIAN_BAR, P95_BAR = 0.10, 0.25
 
 
-def read_log(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(predicted, observed) seconds of every iteration in an iteration log that carries predictions."""
-    pred, obs = [], []
+def read_log(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(predicted, observed) seconds of every iteration in an iteration log that carries predictions, and
+    whether each held a prefill chunk (the iterations whose size the scheduler chooses)."""
+    pred, obs, prefill = [], [], []
     for line in path.read_text().splitlines():
         doc = json.loads(line)
         if doc.get("predicted_s") is not None and doc.get("step_s", 0) > 0:
             pred.append(doc["predicted_s"])
             obs.append(doc["step_s"])
-    return np.asarray(pred), np.asarray(obs)
+            prefill.append(any(not dec for _, _, dec in doc.get("chunks", [])))
+    return np.asarray(pred), np.asarray(obs), np.asarray(prefill, dtype=bool)
 
 
 def windows(dev: np.ndarray, window: int) -> list[tuple[int, float, float]]:
@@ -64,7 +71,9 @@ def settled_at(wins: list[tuple[int, float, float]], window: int) -> int | None:
     return wins[i][0] - window
 
 
-def analyse(pred: np.ndarray, obs: np.ndarray, window: int) -> dict:
+def analyse(pred: np.ndarray, obs: np.ndarray, window: int, prefill: np.ndarray | None = None) -> dict:
+    """The windows, N, and the quantiles after N (or over the second half when it never settles); with
+    `prefill`, the same quantiles over the iterations that held a prefill chunk."""
     ratio = pred / obs
     dev = np.abs(ratio - 1.0)
     wins = windows(dev, window)
@@ -80,9 +89,23 @@ def analyse(pred: np.ndarray, obs: np.ndarray, window: int) -> dict:
             "median_ratio": float(np.median(ratio[n or len(dev) // 2 :])) if len(after) else None,
         },
         "first_window": {"median": wins[0][1], "p95": wins[0][2]} if wins else None,
+        "after_prefill_iterations": None
+        if prefill is None
+        else _quantiles(dev[n or len(dev) // 2 :][prefill[n or len(dev) // 2 :]]),
         "ratio": [round(float(x), 4) for x in ratio],
         "windows": wins,
     }
+
+
+def analyse_log(path: Path, window: int) -> dict:
+    pred, obs, prefill = read_log(path)
+    return analyse(pred, obs, window, prefill)
+
+
+def _quantiles(dev: np.ndarray) -> dict | None:
+    if not len(dev):
+        return None
+    return {"count": len(dev), "median": float(np.median(dev)), "p95": float(np.percentile(dev, 95))}
 
 
 def plot(results: dict, window: int, path: Path) -> None:
@@ -126,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=100, help="iterations per window (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/calibration")
+    ap.add_argument("--logs", nargs="+", default=None, metavar="LOG",
+                    help="analyse these iteration logs (one fresh server each) instead of running servers")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.logs:
+        return report({p: analyse_log(Path(p), a.window) for p in a.logs}, a, Path(a.out))
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     args, trace, model, load_format = protocol_workload(a)
     slo = SLO(ttft=a.slo_ttft, tbt=a.slo_tbt)
@@ -142,19 +169,27 @@ def main(argv: list[str] | None = None) -> int:
         wl = workload_of(trace, args, a.qps, seed=seed)
         with ServerProcess(spec, out / f"server-s{seed}.log") as server:
             _, records = bench_once(server.url, wl, slo, desc=f"seed {seed}")
-        pred, obs = read_log(log)
-        r = analyse(pred, obs, a.window)
+        r = analyse_log(log, a.window)
         r["attainment"] = slo_attainment(records, slo.ttft, slo.tbt)
         results[f"seed {seed}"] = r
+    return report(results, a, out)
+
+
+def report(results: dict[str, dict], a: argparse.Namespace, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
     print(f"\npredicted / observed iteration time, windows of {a.window} iterations, from the built-in prior"
           if a.cost_model is None else f"\n... from the prior {a.cost_model}")  # fmt: skip
     for name, r in results.items():
-        after = r["after"]
+        after, att = r["after"], r.get("attainment")
         print(f"{name}: {r['iterations']} iterations; settled (median <= {MEDIAN_BAR:.0%}, P95 <= {P95_BAR:.0%} in "
               f"every later window) after N = {r['settled_after_iterations']}; from there |r-1| median "
               f"{after['median']:.3f}, P95 {after['p95']:.3f}, median ratio {after['median_ratio']:.3f}; first "
-              f"window median {r['first_window']['median']:.3f}, P95 {r['first_window']['p95']:.3f}; "
-              f"attainment {r['attainment']:.1%}")  # fmt: skip
+              f"window median {r['first_window']['median']:.3f}, P95 {r['first_window']['p95']:.3f}"
+              + ("" if att is None else f"; attainment {att:.1%}"))  # fmt: skip
+        pf = r.get("after_prefill_iterations")
+        if pf:
+            print(f"  the {pf['count']} iterations with prefill among them: |r-1| median {pf['median']:.3f}, "
+                  f"P95 {pf['p95']:.3f}")  # fmt: skip
     (out / "calibration.json").write_text(json.dumps({"args": vars(a), "results": results}))
     plot(results, a.window, out / "calibration.png")
     print(f"wrote {out / 'calibration.json'} and calibration.png", file=sys.stderr)

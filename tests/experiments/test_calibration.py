@@ -17,8 +17,9 @@ def test_it_reads_predictions_from_an_iteration_log(tmp_path):
         {"t": 3.0, "step_s": 0.05, "period_s": 1.0, "chunks": [], "predicted_s": 0.05, "limit_s": None},
     ]
     log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    pred, obs = read_log(log)
+    pred, obs, prefill = read_log(log)
     assert pred.tolist() == [0.12, 0.05] and obs.tolist() == [0.10, 0.05]
+    assert prefill.tolist() == [False, False]  # no chunks in these lines
 
 
 def test_settled_is_where_every_later_window_meets_the_bars():
