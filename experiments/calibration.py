@@ -23,6 +23,7 @@ fresh) instead of running one.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def read_log(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(predicted, observed) seconds of every iteration in an iteration log that carries predictions, and
     whether each held a prefill chunk (the iterations whose size the scheduler chooses)."""
     pred, obs, prefill = [], [], []
-    for line in path.read_text().splitlines():
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         doc = json.loads(line)
         if doc.get("predicted_s") is not None and doc.get("step_s", 0) > 0:
             pred.append(doc["predicted_s"])
