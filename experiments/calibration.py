@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.protocol import protocol_workload
+from experiments.protocol import add_protocol_args, protocol_workload
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import SLO, slo_attainment
 from stallfree.bench.serve_cmd import bench_once
@@ -141,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qps", type=float, default=0.5, help="Poisson arrival rate (default %(default)s)")
     ap.add_argument("--num-requests", type=int, default=120, help="requests per server (default %(default)s)")
     ap.add_argument("--seeds", default="0", help="request samples, one fresh server each")
-    ap.add_argument("--trace", default="sharegpt")
-    ap.add_argument("--scale", type=float, default=0.25)
-    ap.add_argument("--max-output-tokens", type=int, default=32)
-    ap.add_argument("--slo-ttft", type=float, default=5.0, help="the server's TTFT SLO, seconds")
-    ap.add_argument("--slo-tbt", type=float, default=0.5, help="the server's P99 TBT SLO, seconds")
+    add_protocol_args(ap)
     ap.add_argument("--time-target", type=float, default=0.8)
     ap.add_argument("--cost-model", default=None, help="the engine's prior (default: none, the built-in)")
     ap.add_argument("--window", type=int, default=100, help="iterations per window (default %(default)s)")

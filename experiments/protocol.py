@@ -11,6 +11,15 @@ from stallfree.bench.traces import Trace
 from stallfree.engine.serve_cli import resolve_load_format
 
 
+def add_protocol_args(ap: argparse.ArgumentParser) -> None:
+    """The protocol's workload and SLO flags (docs/benchmarks.md §8), with its values as defaults."""
+    ap.add_argument("--trace", default="sharegpt")
+    ap.add_argument("--scale", type=float, default=0.25)
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    ap.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO, seconds (default %(default)s)")
+    ap.add_argument("--slo-tbt", type=float, default=0.5, help="each request's P99 TBT SLO, seconds")
+
+
 def protocol_workload(a: argparse.Namespace) -> tuple[argparse.Namespace, Trace, str | None, str]:
     """(the capacity command's arguments, its trace, the server's model and load format) from an
     experiment's --trace, --scale, --max-output-tokens, --num-requests and --threads."""

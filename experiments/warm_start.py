@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments.protocol import protocol_workload
+from experiments.protocol import add_protocol_args, protocol_workload
 from stallfree.bench.launcher import ServerProcess, ServerSpec
 from stallfree.bench.metrics import OK, SLO, RequestRecord, slo_attainment
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
@@ -55,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=240, help="requests per server (default %(default)s)")
     ap.add_argument("--window", type=int, default=120, help="the first requests, compared with the rest")
     ap.add_argument("--seeds", default="0,1,2", help="request samples, one fresh server each")
-    ap.add_argument("--trace", default="sharegpt")
-    ap.add_argument("--scale", type=float, default=0.25)
-    ap.add_argument("--max-output-tokens", type=int, default=32)
-    ap.add_argument("--slo-ttft", type=float, default=5.0, help="seconds (default %(default)s)")
-    ap.add_argument("--slo-tbt", type=float, default=0.5, help="each request's P99 TBT, seconds")
+    add_protocol_args(ap)
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument(
         "--chunk-context-scale",
