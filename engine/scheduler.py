@@ -250,6 +250,11 @@ class Scheduler:
             n -= n % align
         return max(n, 0)
 
+    @property
+    def time_budgeted(self) -> bool:
+        """Whether sarathi's iterations are budgeted in time now (a time target and a cost model)."""
+        return self.tunables.time_target is not None and self.cost_model is not None
+
     def _fit_time(self, n: int, start: int, batch: _Batch) -> int:
         """The longest chunk of at most `n` tokens after `start` whose iteration (with what `batch` holds)
         the cost model predicts within the batch's time limit; at least what the floor leaves."""
@@ -273,7 +278,7 @@ class Scheduler:
 
     def _charge(self, req: Request, n: int, whole: bool) -> int:
         # NOTE: called before the chunk is computed: num_computed_tokens is where it starts
-        if whole or self.tunables.time_target is not None and self.cost_model is not None:
+        if whole or self.time_budgeted:
             return n
         return chunk_charge(n, req.num_computed_tokens, self.config.chunk_context_scale)
 
@@ -465,7 +470,7 @@ class Scheduler:
     # ---- policies ------------------------------------------------------------------------------------
     def _schedule_sarathi(self) -> _Batch:
         batch = _Batch(self.tunables.token_budget, paused=self._paused())
-        timed = self.tunables.time_target is not None and self.cost_model is not None
+        timed = self.time_budgeted
         has_decodes = any(r.in_decode for r in self.running)
         has_prefills = bool(self.waiting) or any(not r.in_decode for r in self.running)
         prefill_turn = (

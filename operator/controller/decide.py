@@ -68,7 +68,7 @@ from collections.abc import Sequence
 
 from stallfree.costmodel.model import BUILTIN, CostModel
 from stallfree.operator.controller.decide_time import decide_time
-from stallfree.operator.controller.outcome import Rule, conclude, next_interval
+from stallfree.operator.controller.outcome import Rule, conclude, first_verdict, next_interval
 from stallfree.operator.controller.reading import read
 from stallfree.operator.controller.rules import (
     cut_on_tbt_violation,
@@ -140,13 +140,7 @@ def decide(
     In time mode (cfg.time_target set) the time-mode policy decides (decide_time.TIME_RULES)."""
     if cfg.time_target is not None:
         return decide_time(snap, settings, state, specs, cfg, model)
-    r = read(snap, settings, specs, cfg, model, state.recent_tbt)
-    st = next_interval(state, r)
-    for rule in RULES:
-        verdict = rule(r, settings, st)
-        if verdict is not None:
-            return conclude(verdict, r, st)
-    raise AssertionError("unreachable: the last rule, hold_steady, always decides")
+    return first_verdict(RULES, read(snap, settings, specs, cfg, model, state.recent_tbt), settings, state)
 
 
 def initial_settings(

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from stallfree.costmodel.model import BUILTIN, CostModel
-from stallfree.operator.controller.outcome import Rule, conclude, next_interval
+from stallfree.operator.controller.outcome import Rule, first_verdict
 from stallfree.operator.controller.reading import Reading, read, time_budget
 from stallfree.operator.controller.rules import (
     fit_chunk_caps,
@@ -116,10 +116,6 @@ def decide_time(
         raise ValueError("decide_time needs a time-mode ControllerConfig (time_target set)")
     if settings.time_target is None:
         settings = replace(settings, time_target=cfg.time_target)
-    r = read_time(snap, settings, specs, cfg, model, state.recent_tbt)
-    st = next_interval(state, r)
-    for rule in TIME_RULES:
-        verdict = rule(r, settings, st)
-        if verdict is not None:
-            return conclude(verdict, r, st)
-    raise AssertionError("unreachable: the last rule, hold_target_steady, always decides")
+    return first_verdict(
+        TIME_RULES, read_time(snap, settings, specs, cfg, model, state.recent_tbt), settings, state
+    )

@@ -6,7 +6,7 @@ try their rules in order, and conclude the first verdict with `conclude`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from stallfree.operator.controller.cooldowns import restart, tick
@@ -61,3 +61,13 @@ def conclude(v: Verdict, r: Reading, st: State) -> Decision:
         cluster_actions={n: v.action for n in names},
         cluster_reasons={n: v.reason for n in names},
     )
+
+
+def first_verdict(rules: Sequence[Rule], r: Reading, settings: Settings, state: State) -> Decision:
+    """Count the interval forward and let the first rule that decides decide (the last rule always does)."""
+    st = next_interval(state, r)
+    for rule in rules:
+        verdict = rule(r, settings, st)
+        if verdict is not None:
+            return conclude(verdict, r, st)
+    raise AssertionError(f"unreachable: the last rule, {rules[-1].__name__}, always decides")
