@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_GB = 1.0
+ERROR_EVERY = 16  # iterations between recomputing the cost model's error quantiles (for metrics, stats)
 CUDA_KV_CACHE_FRACTION = 0.5
 
 StatsListener = Callable[[IterationStats, list[RequestOutput]], None]
@@ -328,7 +329,13 @@ class LLMEngine:
         # The cost model learns what this iteration took (it predicted it before: the scheduler sized the
         # chunks with that prediction when the budget is a time).
         predicted = self.cost_model.observe(iteration_features(sched.chunks), stats.time_total)
-        stats = replace(stats, predicted_time=predicted, time_limit=sched.time_limit)
+        err = self.cost_model.error() if self.cost_model.observations % ERROR_EVERY == 1 else None
+        stats = replace(
+            stats,
+            predicted_time=predicted,
+            time_limit=sched.time_limit,
+            cost_model_error=None if err is None else (err.median, err.p95),
+        )
         self.last_stats = stats
         for listener in self.stats_listeners:
             listener(stats, results)

@@ -87,6 +87,9 @@ class IterationStats:
     # scheduler had to fit it in (time-budgeted iterations; None: no limit, or a token budget)
     predicted_time: float | None = None
     time_limit: float | None = None
+    # (median, P95) of |predicted / observed - 1| over the cost model's last 512 iterations: set every few
+    # iterations (None in between)
+    cost_model_error: tuple[float, float] | None = None
 
     @property
     def time_total(self) -> float:

@@ -13,7 +13,6 @@ from prometheus_client import CONTENT_TYPE_LATEST as _CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stallfree.engine.outputs import IterationStats, RequestMetrics
-from stallfree.engine.server.calibration_window import CalibrationWindow
 from stallfree.engine.server.observer import EngineObserver
 
 CONTENT_TYPE = _CONTENT_TYPE
@@ -90,7 +89,6 @@ class PrometheusMetrics(EngineObserver):
                            registry=r)  # fmt: skip
         self.time_target = g("stallfree_time_target_ratio", "Share of the strictest P99 TBT SLO an iteration "
                              "may take (0 = a fixed token budget).", registry=r)  # fmt: skip
-        self._calibration = CalibrationWindow()
         self.iter_prefill = h("stallfree_iteration_prefill_tokens", "Prefill tokens per iteration.",
                               buckets=TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.iter_decode = h("stallfree_iteration_decode_tokens", "Decode tokens per iteration.",
@@ -280,10 +278,9 @@ class PrometheusMetrics(EngineObserver):
             self.iter_predicted.observe(stats.predicted_time)
             self.iter_ratio.observe(stats.predicted_time / stats.time_total)
             self.iter_limit.set(stats.time_limit or 0.0)
-            summary = self._calibration.add(stats.predicted_time / stats.time_total)
-            if summary is not None:
-                self.cal_error.labels("0.5").set(summary[0])
-                self.cal_error.labels("0.95").set(summary[1])
+        if stats.cost_model_error is not None:
+            self.cal_error.labels("0.5").set(stats.cost_model_error[0])
+            self.cal_error.labels("0.95").set(stats.cost_model_error[1])
         self.iter_prefill.observe(stats.num_prefill_tokens)
         self.iter_decode.observe(stats.num_decode_tokens)
         if stats.num_preempted:

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 from stallfree.engine.outputs import IterationStats
-from stallfree.engine.server.calibration_window import CalibrationWindow
 from stallfree.engine.server.observer import EngineObserver
 
 _SERIES = (
@@ -46,7 +45,7 @@ class WindowStats(EngineObserver):
         self._kv_usage = 0.0
         self._cached_blocks = 0
         self._iterations: deque[tuple[float, int, int, float]] = deque()  # time, prefill, decode, seconds
-        self._calibration = CalibrationWindow()
+        self._calibration: tuple[float, float] | None = None  # the engine's last cost-model error
         self.started = clock()
 
     # ---- observer ----------------------------------------------------------------------------------
@@ -102,8 +101,8 @@ class WindowStats(EngineObserver):
                     (now, stats.num_prefill_tokens, stats.num_decode_tokens, stats.time_total)
                 )
                 self._trim(self._iterations, now)
-                if stats.predicted_time is not None and stats.time_total > 0:
-                    self._calibration.add(stats.predicted_time / stats.time_total)
+                if stats.cost_model_error is not None:
+                    self._calibration = stats.cost_model_error
 
     # ---- reading -----------------------------------------------------------------------------------
     def admission_rate(self, cluster: str) -> float:
@@ -154,7 +153,7 @@ class WindowStats(EngineObserver):
             hits = [v for c in self._series.values() for _, v in c["cache_hit"]]
             queries = [v for c in self._series.values() for _, v in c["cache_queried"]]
             cached_blocks = self._cached_blocks
-            calibration = self._calibration.last
+            calibration = self._calibration
         busy = sum(s for *_, s in its)
         return {
             "windowSeconds": self.window_s,
