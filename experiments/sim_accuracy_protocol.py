@@ -1,4 +1,4 @@
-"""The simulator-accuracy protocol of docs/benchmarks.md §6b over one measurement folder.
+"""The simulator-accuracy protocol of docs/benchmarks.md §6 over one measurement folder.
 
     python -m experiments.sim_accuracy_protocol OUT        (`scripts/sim-accuracy --evaluate OUT` runs it)
 
