@@ -2,7 +2,7 @@
 (`llama-batched-bench`, built by scripts/peer-llamacpp), same GGUF, same threads, interleaved.
 
     python -m experiments.llamacpp.per_token_vs_batched [--batches 1,8,32] [--reps 3] [--threads 2]
-        [--context 128] [--steps 12] [--out docs/figures/cpu-decode-vs-llamacpp-batched.json]
+        [--context 128] [--steps 12] [--out results/decode-vs-llamacpp-batched.json]
 
 Per repetition: llama-batched-bench (-npp CONTEXT -ntg STEPS -npl BATCHES: each of B sequences has its
 own CONTEXT-token prompt, then STEPS decode steps for all B at once; ms per token = 1000 / its tg speed),
