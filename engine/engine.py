@@ -1,14 +1,17 @@
 """The engine step loop: schedule -> run -> update.
 
 `LLMEngine` is synchronous and single-threaded; the HTTP server drives it from its own thread, and `LLM`
-drives it in a loop. Statistics go to listeners (the metrics module subscribes); the engine itself imports
-no Prometheus.
+drives it in a loop. The model runs in an executor (stallfree.engine.executor): in this process, or over
+T x P worker ranks for tensor/pipeline parallelism; the step is the same. Statistics go to listeners (the
+metrics module subscribes); the engine itself imports no Prometheus.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -17,24 +20,22 @@ import torch
 from stallfree.costmodel.calibrate import OnlineCostModel
 from stallfree.costmodel.features import iteration_features
 from stallfree.costmodel.fitted import FittedCostModel
-from stallfree.engine.attention import FALLBACK, KVCache, make_backend, resolve_attention_backend
 from stallfree.engine.block_manager import BlockManager, blocks_needed
 from stallfree.engine.config import EngineConfig, SchedulerTunables
+from stallfree.engine.executor import Executor, ExecutorFailedError, InProcessExecutor
 from stallfree.engine.model.loader import LoadedModel, load_model
-from stallfree.engine.model_runner import GraphConfig, ModelRunner
+from stallfree.engine.model_runner import GraphConfig
 from stallfree.engine.output_processor import OutputProcessor
 from stallfree.engine.outputs import IterationStats, RequestOutput
 from stallfree.engine.request import Request, RequestStatus
 from stallfree.engine.sampling_params import SamplingParams
-from stallfree.engine.scheduler import Scheduler
+from stallfree.engine.scheduler import Scheduler, SchedulerOutput
 from stallfree.engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_GB = 1.0
 ERROR_EVERY = 16  # iterations between recomputing the cost model's error quantiles (for metrics, stats)
-CUDA_KV_CACHE_FRACTION = 0.5
 
 StatsListener = Callable[[IterationStats, list[RequestOutput]], None]
 
@@ -67,18 +68,27 @@ def resolve_max_model_len(requested: int | None, model_len: int) -> int:
 
 
 class LLMEngine:
-    """Owns the scheduler, the model runner and the request table."""
+    """Owns the scheduler, the executor that runs the model, and the request table."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        executor_class: type[Executor] | None = None,
+    ) -> None:
+        """executor_class: what runs the model; None = `executor_class_for(config)`."""
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        executor_class = executor_class or executor_class_for(config)
+        # NOTE: with worker ranks the leader keeps the full weights on the CPU; each rank copies its slices.
+        load_device = torch.device("cpu") if executor_class.weights_on_host else self.device
         self.loaded = loaded or load_model(
             config.model,
             dtype=self.dtype,
-            device=self.device,
+            device=load_device,
             load_format=config.load_format,
             seed=config.seed,
             max_model_len=config.max_model_len,
@@ -89,24 +99,37 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
         sched_cfg = replace(config.scheduler, max_model_len=self.max_model_len)
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.block_manager = BlockManager(
-            self.num_kv_blocks,
-            config.cache.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            salt=self._prefix_cache_salt(),
-        )
-        self.cost_model = make_cost_model(config.cost_model)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.cost_model)
-        self.runner = self._make_runner()
+        # Why the engine can no longer run (its executor failed), or None; batches submitted, not collected.
+        self.dead: str | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        args = (config, self.loaded, self.device, self.dtype, self._graph_config())
+        self.executor = executor_class(*args)
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        try:
+            # One KV sizing: as configured, else what fits on the executor's smallest rank.
+            asked = config.cache.num_kv_blocks
+            self.num_kv_blocks = self.executor.kv_capacity() if asked is None else asked
+            self.block_manager = BlockManager(
+                self.num_kv_blocks,
+                config.cache.block_size,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
+                salt=self._prefix_cache_salt(),
+            )
+            self.cost_model = make_cost_model(config.cost_model)
+            self.scheduler = Scheduler(sched_cfg, self.block_manager, self.cost_model)
+            self.executor.allocate(self.num_kv_blocks)
+        except BaseException:
+            self._finalizer()
+            raise
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.stats_listeners: list[StatsListener] = []
         self.clock: Callable[[], float] = time.monotonic
         self.last_stats: IterationStats | None = None
+        par = config.parallel
         logger.info(
             "engine ready: model=%s device=%s dtype=%s quantization=%s threads=%d policy=%s budget=%d "
-            "kv_blocks=%d x %d tokens, backend=%s",
+            "kv_blocks=%d x %d tokens, backend=%s, tp=%d pp=%d",
             self.loaded.name,
             self.device,
             self.dtype,
@@ -116,7 +139,9 @@ class LLMEngine:
             sched_cfg.tunables.token_budget,
             self.num_kv_blocks,
             config.cache.block_size,
-            self.runner.backend.name,
+            self.executor.backend_name,
+            par.tensor_parallel_size,
+            par.pipeline_parallel_size,
         )
 
     def _prefix_cache_salt(self) -> str:
@@ -128,46 +153,6 @@ class LLMEngine:
         """Drop every cached block (admin action); returns how many were dropped."""
         return self.block_manager.reset_prefix_cache()
 
-    def _make_runner(self) -> ModelRunner:
-        """The in-process runner; the parallel engine overrides this with its worker executor.
-
-        The backend is warmed up (kernels compiled, CUDA graphs captured) before the engine is ready; if
-        `auto` chose it and it cannot build its kernels, the engine says so once and uses the fallback
-        backend (torch) instead.
-        """
-        requested = self.config.attention_backend
-        backend = resolve_attention_backend(requested, self.device, self.dtype)
-        try:
-            runner = self._runner(backend)
-            seconds = runner.warm_up()
-        except Exception as e:  # noqa: BLE001 - any kernel build failure: fall back, loudly, once
-            if requested != "auto" or backend == FALLBACK:
-                raise
-            logger.warning(
-                "the %s attention backend could not build its kernels (%s: %s); using the %s backend",
-                backend, type(e).__name__, e, FALLBACK,
-            )  # fmt: skip
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return self._runner(FALLBACK)
-        if seconds:
-            logger.info("runner warmed up in %.1f s (%s)", seconds, backend)
-        return runner
-
-    def _runner(self, backend: str) -> ModelRunner:
-        mc, cache = self.model_config, self.config.cache
-        kv = KVCache(
-            mc.num_layers, self.num_kv_blocks, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
-            self.device,
-        )  # fmt: skip
-        return ModelRunner(
-            self.loaded.model,
-            make_backend(backend, kv, mc.num_heads, mc.num_kv_heads, mc.head_dim),
-            stop_token_ids=self.tokenizer.stop_token_ids,
-            seed=self.config.seed,
-            graphs=self._graph_config(),
-        )
-
     def _graph_config(self) -> GraphConfig | None:
         """The CUDA graphs to capture (the runner ignores them where the device or backend has none)."""
         if not self.config.cuda_graphs:
@@ -175,20 +160,6 @@ class LLMEngine:
         return GraphConfig(
             self.config.scheduler.max_num_seqs, self.max_model_len, self.config.max_graph_tokens
         )
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_token = self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
-        if cache.kv_cache_memory_gb is not None:
-            budget = cache.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * CUDA_KV_CACHE_FRACTION
-        else:
-            budget = CPU_KV_CACHE_GB * 2**30
-        return max(1, int(budget // (per_token * cache.block_size)))
 
     # ---- requests -------------------------------------------------------------------------------------
     @property
@@ -205,6 +176,11 @@ class LLMEngine:
         return list(prompt)
 
     def validate_prompt(self, ids: Sequence[int], params: SamplingParams) -> None:
+        if params.structured_outputs is not None and not self.executor.supports_structured_outputs:
+            raise ValueError(
+                "structured outputs (response_format, guided_*, tool_choice required/named) are not "
+                "supported with tensor or pipeline parallelism yet: serve the model on one device"
+            )
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -238,7 +214,9 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError with an actionable message for bad input."""
+        """Validate and queue a request. Raises ValueError with an actionable message for bad input, and
+        ExecutorFailedError once the engine can no longer run."""
+        self._check_alive()
         ids = self.tokenize(prompt)
         self.validate_prompt(ids, params)
         for t in params.stop_token_ids:
@@ -268,7 +246,18 @@ class LLMEngine:
         return self._finalize(req)
 
     def check_health(self) -> None:
-        """Raise if the engine can no longer run (the parallel engine: a worker died). No-op here."""
+        """Raise ExecutorFailedError if the engine can no longer run: its executor failed, or a worker rank
+        died while the engine was idle (the server's loop asks between steps)."""
+        self._check_alive()
+        try:
+            self.executor.check_health()
+        except ExecutorFailedError as e:
+            self._die(str(e))
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker ranks, if any (also done when the engine is garbage-collected)."""
+        self._finalizer()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -277,27 +266,45 @@ class LLMEngine:
         req.finish_time = self.clock()
         out = self.outputs.make_output(req)
         self.outputs.drop(req.request_id)
-        self.runner.release(req.request_id)
+        self.executor.release(req.request_id)
         self.structured.release(req.request_id)
         return out
 
     # ---- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs of requests that produced a token, finished or failed."""
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        if sched.is_empty:
-            return []
-        self._mark_scheduled(sched)
-        sched = self.structured.attach_masks(sched)  # filled in the background while the model runs
+        """Run one iteration; return outputs of requests that produced a token, finished or failed.
+
+        Schedules and submits batches until the executor holds `max_in_flight` of them (pipeline
+        parallelism: one micro-batch per stage) or nothing else can run, then waits for the oldest and
+        applies its tokens. Requests of a batch in flight sit out of scheduling until it comes back
+        (Scheduler.in_flight), so none is in two at once. In process the depth is 1: schedule -> run ->
+        update. Raises ExecutorFailedError when the executor can no longer run (every request then ends
+        with that error).
+        """
+        self._check_alive()
         try:
-            run = self.runner.execute(sched)
+            while len(self._in_flight) < self.executor.max_in_flight:
+                t0 = time.perf_counter()
+                sched = self.scheduler.schedule()
+                t_sched = time.perf_counter() - t0
+                if sched.is_empty:
+                    break
+                self._mark_scheduled(sched)
+                sched = self.structured.attach_masks(sched)  # filled in the background while the model runs
+                self.scheduler.mark_in_flight(sched)
+                self._in_flight.append((sched, t_sched))
+                self.executor.submit(sched)
+            if not self._in_flight:
+                return []
+            run = self.executor.collect()
+        except ExecutorFailedError as e:
+            self._die(str(e))
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
-            logger.exception("model forward failed; failing the %d requests in the batch", len(sched.chunks))
-            return self._fail(sched, f"model execution failed: {type(e).__name__}: {e}")
-        t2 = time.perf_counter()
-        return self._apply(sched, run, t1 - t0, t2)
+            return self._fail_in_flight(f"model execution failed: {type(e).__name__}: {e}")
+        sched, t_sched = self._in_flight.popleft()
+        self.scheduler.complete(sched)
+        return self._apply(sched, run, t_sched, time.perf_counter())
 
     def _mark_scheduled(self, sched) -> None:
         now = self.clock()
@@ -354,14 +361,32 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         return status
 
-    def _fail(self, sched, message: str) -> list[RequestOutput]:
+    def _fail_in_flight(self, message: str) -> list[RequestOutput]:
+        """A forward pass failed: fail the requests of every batch in flight (in process: the one batch)."""
+        logger.exception("model forward failed; failing the requests of %d batch(es)", len(self._in_flight))
         outs = []
-        for c in sched.chunks:
-            req = self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ERROR)
-            if req is not None:
-                req.error = message
-                outs.append(self._finalize(req))
+        while self._in_flight:
+            sched, _ = self._in_flight.popleft()
+            self.scheduler.complete(sched)
+            for c in sched.chunks:
+                req = self.scheduler.finish_request(c.request_id, RequestStatus.FINISHED_ERROR)
+                if req is not None:
+                    req.error = message
+                    outs.append(self._finalize(req))
         return outs
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise ExecutorFailedError(self.dead)
+
+    def _die(self, message: str) -> None:
+        """The executor failed: fail every request still in the engine; later calls raise."""
+        self.dead = message
+        self._in_flight.clear()
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+            req.error = message
+            self.outputs.drop(req.request_id)
 
     def _stats(self, sched, run, t_sched: float, t_update: float, now: float) -> IterationStats:
         prefill_by: dict[str, int] = {}
@@ -403,10 +428,15 @@ def make_cost_model(path: str | None) -> OnlineCostModel:
     return OnlineCostModel(fit.coefficients, gemm_knee=fit.gemm_knee)
 
 
-def create_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLMEngine:
-    """LLMEngine, or the parallel engine over worker processes when T x P > 1."""
+def executor_class_for(config: EngineConfig) -> type[Executor]:
+    """In this process at T x P = 1, else over worker ranks (started when the engine is made)."""
     if config.parallel.world_size == 1:
-        return LLMEngine(config, loaded=loaded)
-    from stallfree.engine.parallel.engine import ParallelLLMEngine  # noqa: PLC0415 - only when asked for
+        return InProcessExecutor
+    from stallfree.engine.parallel.executor import ParallelExecutor  # noqa: PLC0415 - only when asked for
 
-    return ParallelLLMEngine(config, loaded=loaded)
+    return ParallelExecutor
+
+
+def create_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> LLMEngine:
+    """The engine for `config`: its model runs in this process, or over worker ranks when T x P > 1."""
+    return LLMEngine(config, loaded=loaded)

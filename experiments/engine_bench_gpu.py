@@ -245,10 +245,10 @@ def run_backend(
     )
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, loaded=loaded)
-    name = engine.runner.backend.name + ("-eager-hybrid" if eager_hybrid else "")
+    name = engine.executor.runner.backend.name + ("-eager-hybrid" if eager_hybrid else "")
     row: dict = {"backend": name, "startup_s": time.perf_counter() - t0}
-    row["cuda_graphs"] = getattr(engine.runner, "graphs", None) is not None
-    row["piecewise_graphs"] = getattr(engine.runner, "piecewise", None) is not None
+    row["cuda_graphs"] = getattr(engine.executor.runner, "graphs", None) is not None
+    row["piecewise_graphs"] = getattr(engine.executor.runner, "piecewise", None) is not None
     decode = bench_decode(engine, floors, reps, plan)
     bar.update(1)
     row["decode_ms"] = {b: v["ms"] for b, v in decode.items()}

@@ -56,7 +56,7 @@ def run_mode(mode: str, chats, max_tokens: int, forced: list[list[int]] | None =
     loaded = load_model(None, dtype=getattr(torch, dtype), quantization=quantization)
     llm = LLM(loaded_model=loaded, dtype=dtype, num_kv_blocks=2048, max_num_seqs=len(chats))
     ids = [loaded.tokenizer.encode_chat(c) for c in chats]
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     model = runner.model
     first: list = []
     compute_logits = model.compute_logits
@@ -98,7 +98,7 @@ def teacher_forced(engine, ids: list[list[int]], forced: list[list[int]]) -> lis
             out.append(SampleResult(forced[i][pos]))
         return out
 
-    engine.runner.sampler.sample = sample
+    engine.executor.runner.sampler.sample = sample
     for i, (p, f) in enumerate(zip(ids, forced, strict=True)):
         if f:
             engine.add_request(
@@ -106,7 +106,7 @@ def teacher_forced(engine, ids: list[list[int]], forced: list[list[int]]) -> lis
             )
     while engine.has_unfinished_requests():
         engine.step()
-    del engine.runner.sampler.sample
+    del engine.executor.runner.sampler.sample
     return agree
 
 

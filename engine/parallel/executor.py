@@ -22,9 +22,17 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 import torch
 import torch.multiprocessing as mp
 
-from stallfree.engine.model_runner import RunnerOutput
-from stallfree.engine.parallel.env import NodeContract
+from stallfree.engine.attention import resolve_attention_backend
+from stallfree.engine.config import EngineConfig
+from stallfree.engine.executor import ExecutorFailedError, kv_budget_bytes
+from stallfree.engine.model.loader import LoadedModel
+from stallfree.engine.model_runner import GraphConfig, RunnerOutput
+from stallfree.engine.parallel.env import NodeContract, read_contract
+from stallfree.engine.parallel.layers import head_shard
+from stallfree.engine.parallel.stage import stage_layers
 from stallfree.engine.parallel.worker import WorkerInit, worker_main
+from stallfree.engine.scheduler import SchedulerOutput
+from stallfree.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +40,70 @@ POLL_S = 0.2
 STOP_GRACE_S = 3.0
 
 
-class WorkerFailedError(RuntimeError):
+class WorkerFailedError(ExecutorFailedError):
     """A tensor/pipeline-parallel worker died, failed or stopped answering: the engine cannot continue."""
 
 
-class ParallelExecutor:
-    """Owns the T x P worker ranks of one engine replica."""
+def worker_init(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    graphs: GraphConfig | None,
+) -> WorkerInit:
+    """What every rank starts from (rank 0's copy); ValueError for a layout the model cannot take."""
+    par, mc = config.parallel, loaded.config
+    stage_layers(mc.num_layers, par.pipeline_parallel_size, 0)  # validate P before spawning anything
+    head_shard(mc.num_heads, mc.num_kv_heads, par.tensor_parallel_size, par.tensor_parallel_size - 1)
+    contract = read_contract()
+    on_cuda = device.type == "cuda"
+    return WorkerInit(
+        rank=0,
+        tp_size=par.tensor_parallel_size,
+        pp_size=par.pipeline_parallel_size,
+        init_method=f"tcp://127.0.0.1:{free_port()}" if contract.num_nodes == 1 else contract.init_method,
+        backend="nccl" if on_cuda else "gloo",
+        device="cuda" if on_cuda else "cpu",
+        dtype=dtype,
+        model_config=mc,
+        state=share_weights(loaded.model),
+        model_path=config.model,
+        load_format=config.load_format,
+        block_size=config.cache.block_size,
+        # NOTE: resolved here, once, so every rank runs the same backend
+        attention_backend=resolve_attention_backend(config.attention_backend, device, dtype),
+        kv_cache_bytes=kv_budget_bytes(config.cache),
+        stop_token_ids=loaded.tokenizer.stop_token_ids,
+        seed=config.seed,
+        timeout_s=par.step_timeout_s,
+        graphs=graphs,
+    )
 
-    def __init__(self, template: WorkerInit, contract: NodeContract, start_timeout_s: float = 600.0) -> None:
+
+class ParallelExecutor:
+    """The engine's executor over the T x P worker ranks of one replica (stallfree.engine.executor's
+    protocol): every micro-batch goes to every rank; up to P of them are in flight, one per stage."""
+
+    supports_structured_outputs = False  # NOTE: grammar masks are filled by a thread of the leader
+    weights_on_host = True  # shared with the local ranks, which copy their slices
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        device: torch.device,
+        dtype: torch.dtype,
+        graphs: GraphConfig | None,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        """Check the layout, then start this node's ranks (the rank contract comes from the environment:
+        parallel.env); they take their slices of the leader's weights (`loaded`, on the CPU, in shared
+        memory) and report how many KV blocks fit on each."""
+        template = worker_init(config, loaded, device, dtype, graphs)
+        contract = read_contract()
         self.template = template
+        self.backend_name = template.attention_backend
+        self.max_in_flight = template.pp_size
         self.start_timeout_s = start_timeout_s
         self.world = template.world_size
         self.sampling_rank = (template.pp_size - 1) * template.tp_size
@@ -100,15 +163,25 @@ class ParallelExecutor:
             remote.discard(rank)
 
     # ---- protocol ----------------------------------------------------------------------------------
+    def kv_capacity(self) -> int:
+        """KV blocks that fit on every rank (each measured its own, after taking its weights)."""
+        return min(self.capacities.values())
+
     def allocate(self, num_blocks: int) -> float:
         """Every rank allocates its cache and warms its runner up; returns the slowest warm-up in seconds."""
+        fits = self.kv_capacity()
+        if num_blocks > fits:
+            raise ValueError(f"num_kv_blocks {num_blocks} does not fit: a rank holds at most {fits}")
         self._broadcast(("alloc", num_blocks))
-        return max(self._gather("warm", self.start_timeout_s).values())
+        seconds = max(self._gather("warm", self.start_timeout_s).values())
+        if seconds:
+            logger.info("worker ranks warmed up in %.1f s (%s)", seconds, self.backend_name)
+        return seconds
 
     def release(self, request_id: str) -> None:
         self._released.append(request_id)
 
-    def submit(self, sched) -> None:
+    def submit(self, sched: SchedulerOutput) -> None:
         """Send one micro-batch to every rank (the leader's broadcast of its scheduling decision)."""
         mb = self._next_mb
         self._next_mb += 1
@@ -123,10 +196,6 @@ class ParallelExecutor:
         if got != mb:
             raise self._fail(f"micro-batch {got} came back while {mb} was expected")
         return RunnerOutput(samples, t_prep, t_fwd, t_sample)
-
-    def execute(self, sched) -> RunnerOutput:
-        self.submit(sched)
-        return self.collect()
 
     def stats(self) -> dict[int, list]:
         """Every rank's (micro-batch, tokens, start, compute start, compute end, end) records (monotonic s)."""
@@ -155,6 +224,8 @@ class ParallelExecutor:
                 conn.send(msg)
             except (OSError, EOFError) as e:
                 raise self._fail(self._death(rank, f"is unreachable ({type(e).__name__})")) from e
+            except Exception as e:  # noqa: BLE001 - e.g. unpicklable: the ranks that got it would run ahead
+                raise self._fail(f"could not send {msg[0]!r} to rank {rank}: {type(e).__name__}: {e}") from e
 
     def _gather(self, kind: str, timeout_s: float) -> dict:
         out: dict = {}

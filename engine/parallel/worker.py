@@ -29,15 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stallfree.engine.attention import KVCache, make_backend
+from stallfree.engine.attention import make_backend
+from stallfree.engine.executor import KVShape, kv_cache_blocks
 from stallfree.engine.model.config import LlamaConfig
 from stallfree.engine.model_runner import GraphConfig, ModelRunner
 from stallfree.engine.parallel.layers import Collective, NoCollective, head_shard
 from stallfree.engine.parallel.stage import StageModel, build_stage
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class WorkerInit:
     model_path: str | None
     block_size: int
     attention_backend: str  # resolved by the leader (never auto): every rank runs the same backend
-    kv_cache_bytes: float | None  # per rank; None = 1 GiB on CPU, half the free memory on CUDA
+    kv_cache_bytes: float | None  # per rank; None = the device's default (executor.kv_cache_blocks)
     stop_token_ids: frozenset[int]
     seed: int
     timeout_s: float
@@ -146,30 +145,21 @@ class StageWorker:
         hs = head_shard(cfg.num_heads, cfg.num_kv_heads, init.tp_size, init.tp_rank)
         self.num_heads, self.num_kv_heads = len(hs.q_heads), len(hs.kv_heads)
         self.samples = stage.last and init.tp_rank == 0
+        # this rank's cache: its stage's layers, its shard's KV heads
+        self.kv_shape = KVShape(
+            stage.num_layers, self.num_kv_heads, cfg.head_dim, init.block_size, init.dtype
+        )
         self.runner: ModelRunner | None = None
         # (mb, tokens, start, compute start, compute end, end), monotonic seconds; for the bubble figures
         self.records: list[tuple[int, int, float, float, float, float]] = []
 
-    def kv_block_bytes(self) -> int:
-        elt = torch.empty((), dtype=self.init.dtype).element_size()
-        cfg = self.init.model_config
-        return 2 * self.stage.num_layers * self.num_kv_heads * cfg.head_dim * elt * self.init.block_size
-
     def capacity(self) -> int:
-        budget = self.init.kv_cache_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = torch.cuda.mem_get_info(self.device)[0] * 0.5
-            else:
-                budget = CPU_KV_CACHE_BYTES
-        return max(1, int(budget // self.kv_block_bytes()))
+        """KV blocks that fit on this rank (the engine's one rule, over this rank's share)."""
+        return kv_cache_blocks(self.kv_shape, self.device, self.init.kv_cache_bytes)
 
     def allocate(self, num_blocks: int) -> None:
         init, cfg = self.init, self.init.model_config
-        cache = KVCache(
-            self.stage.num_layers, num_blocks, init.block_size, self.num_kv_heads, cfg.head_dim, init.dtype,
-            self.device,
-        )  # fmt: skip
+        cache = self.kv_shape.make_cache(num_blocks, self.device)
         backend = make_backend(init.attention_backend, cache, self.num_heads, self.num_kv_heads, cfg.head_dim)
         self.runner = ModelRunner(
             self.stage, backend, stop_token_ids=init.stop_token_ids, seed=init.seed, graphs=init.graphs,

@@ -54,8 +54,8 @@ def make_llm(loaded, policy="sarathi", token_budget=4096, num_kv_blocks=200, **k
 def first_logits_and_greedy(loaded, ids, max_tokens=6, **kw):
     """Run one prompt greedily; return (logits of the first generated token (V,), output token ids)."""
     llm = make_llm(loaded, **kw)
-    rec = LogitRecorder(llm.engine.runner.model)
-    llm.engine.runner.model = rec
+    rec = LogitRecorder(llm.engine.executor.runner.model)
+    llm.engine.executor.runner.model = rec
     out = llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
     return rec.logits[0][0], out.token_ids
 

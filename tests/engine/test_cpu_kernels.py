@@ -180,7 +180,7 @@ def _run(loaded, backend, prompts, monkeypatch=None, mutate=False):
     """First-step logits of every sampled row, and the greedy outputs, for prompts of different lengths
     arriving together under a small budget: decodes of unequal histories ride with prefill chunks."""
     llm = make_llm(loaded, token_budget=48, attention_backend=backend)
-    assert llm.engine.runner.backend.name == backend
+    assert llm.engine.executor.runner.backend.name == backend
     if mutate:
         orig = torch_backend_mod.torch_metadata
 
@@ -191,8 +191,8 @@ def _run(loaded, backend, prompts, monkeypatch=None, mutate=False):
             return meta
 
         monkeypatch.setattr(torch_backend_mod, "torch_metadata", short)  # what the backend calls
-    rec = LogitRecorder(llm.engine.runner.model)
-    llm.engine.runner.model = rec
+    rec = LogitRecorder(llm.engine.executor.runner.model)
+    llm.engine.executor.runner.model = rec
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     return torch.cat(rec.logits), [o.token_ids for o in outs]
 

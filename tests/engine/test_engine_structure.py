@@ -3,14 +3,30 @@
 - Code outside the attention registry does not branch on an attention backend's name: it asks the backend
   (its kernels, graph support, sampling). At most MAX_NAME_BRANCHES comparisons with a backend name remain.
 - One metadata builder: only stallfree.engine.attention.batch turns block tables into KV-cache slots.
-- One execute loop: only stallfree.engine.model_runner defines a runner's `execute` (the parallel executor's
-  `execute` only hands a step to the workers and collects it); the parallel worker runs that runner.
+- One execute loop: only stallfree.engine.model_runner defines a runner's `execute`; the parallel worker runs
+  that runner.
+
+Issue 42's, as behaviour: one engine step over either executor (in process, or worker ranks: at T = P = 1
+and with pipeline stages the engine is an LLMEngine whose `step` drives a ParallelExecutor, and answers as
+the in-process one does), and one KV sizing rule for the engine and the ranks.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
+import torch
+from cuda_helpers import TINY
+
+from stallfree.engine import SamplingParams
+from stallfree.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from stallfree.engine.engine import LLMEngine, create_engine
+from stallfree.engine.executor import CPU_KV_CACHE_BYTES, InProcessExecutor, KVShape, kv_cache_blocks
+from stallfree.engine.model.dummy import build_dummy_model, synthetic_tokenizer
+from stallfree.engine.model.loader import LoadedModel
+from stallfree.engine.parallel.executor import ParallelExecutor
 
 REPO = Path(__file__).parents[2]
 ENGINE = REPO / "engine"
@@ -84,11 +100,9 @@ def test_one_metadata_builder() -> None:
 
 
 def test_one_execute_loop() -> None:
-    dispatch = ENGINE / "parallel" / "executor.py"  # submit to the worker ranks, collect: no forward
     defs = sorted(
         f"{p.relative_to(REPO)}:{n.lineno}"
         for p in _sources(ENGINE)
-        if p != dispatch
         for n in ast.walk(ast.parse(p.read_text()))
         if isinstance(n, ast.FunctionDef) and n.name == "execute"
     )
@@ -108,3 +122,74 @@ def test_the_model_gets_its_kernels_from_its_caller() -> None:
         if isinstance(t, ast.Attribute) and t.attr == "kernels"
     ]
     assert not setters, setters
+
+
+# ---- one engine step over either executor (issue 42) ------------------------------------------------------
+PROMPTS = [list(range(10, 47)), [5, 6, 7], list(range(300, 390))]
+
+
+def _tiny() -> LoadedModel:
+    model = build_dummy_model(TINY, torch.float32, "cpu", seed=0)
+    return LoadedModel(model, synthetic_tokenizer(TINY.vocab_size), TINY, "tiny")
+
+
+def _config(tp: int = 1, pp: int = 1) -> EngineConfig:
+    return EngineConfig(
+        device="cpu", dtype="float32", attention_backend="torch",
+        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        scheduler=SchedulerConfig(max_num_seqs=4), cache=CacheConfig(num_kv_blocks=64),
+    )  # fmt: skip
+
+
+def _greedy(engine: LLMEngine, steps: list[int]) -> dict[str, list[int]]:
+    """Run PROMPTS to completion through engine.step (each call's batch count into `steps`)."""
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps.append(len(outs))
+        done.update({o.request_id: o.token_ids for o in outs if o.finished})
+    return done
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (1, 2)], ids=["tp1xpp1", "pp2"])
+def test_the_parallel_engine_is_the_engine_step_over_worker_ranks(monkeypatch, tp, pp) -> None:
+    """Worker ranks (one at T = P = 1, two pipeline stages) behind the same LLMEngine.step: it drives the
+    executor (submit, collect), and the greedy tokens are the in-process engine's."""
+    loaded = _tiny()
+    want = _greedy(LLMEngine(_config(), loaded), [])
+    assert isinstance(LLMEngine(_config(), loaded).executor, InProcessExecutor)
+    if tp * pp == 1:
+        engine = LLMEngine(_config(tp, pp), loaded, executor_class=ParallelExecutor)
+    else:
+        engine = create_engine(_config(tp, pp), loaded)
+    try:
+        assert type(engine) is LLMEngine and isinstance(engine.executor, ParallelExecutor)
+        assert engine.executor.max_in_flight == pp and len(engine.executor.procs) == tp * pp
+        calls: list[str] = []
+        for name in ("submit", "collect"):
+            real = getattr(engine.executor, name)
+            monkeypatch.setattr(
+                engine.executor, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1]
+            )
+        got = _greedy(engine, [])
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert calls.count("submit") == calls.count("collect") > 0
+
+
+def test_the_engine_and_every_rank_size_the_kv_cache_by_one_rule() -> None:
+    """The in-process engine's cache is kv_cache_blocks over the whole model; a rank's is the same rule over
+    its stage's layers and its shard's heads (a rank with half the layers holds twice the blocks)."""
+    cache = CacheConfig(block_size=16, kv_cache_memory_gb=2**-10)  # 1 MiB
+    engine = LLMEngine(
+        EngineConfig(device="cpu", dtype="float32", attention_backend="torch", cache=cache), _tiny()
+    )
+    cpu = torch.device("cpu")
+    whole = KVShape(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, 16, torch.float32)
+    assert engine.num_kv_blocks == kv_cache_blocks(whole, cpu, 2**20) == 2**20 // whole.block_bytes
+    half = KVShape(TINY.num_layers // 2, TINY.num_kv_heads, TINY.head_dim, 16, torch.float32)
+    assert kv_cache_blocks(half, cpu, 2**20) == 2 * engine.num_kv_blocks
+    assert kv_cache_blocks(whole, cpu, None) == CPU_KV_CACHE_BYTES // whole.block_bytes  # the CPU's default

@@ -140,7 +140,7 @@ def test_qwen3_on_every_backend_matches_transformers(tmp_path: Path, qwen_tok, b
         str(_save(tmp_path, hf, qwen_tok)), dtype="float32", device="cpu", attention_backend=backend,
         token_budget=16, num_kv_blocks=64, block_size=16,
     )  # fmt: skip
-    assert llm.engine.runner.backend.name == backend
+    assert llm.engine.executor.runner.backend.name == backend
     prompts = [qwen_tok.encode(t).ids for t in (TEXT, "the quick brown fox", TEXT * 2)]
     sp = SamplingParams(max_tokens=5, temperature=0.0, logprobs=5, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)

@@ -75,7 +75,7 @@ def test_the_torch_backend_runs_plain_ops_and_needs_no_warm_up() -> None:
     llm = LLM(
         loaded_model=_tiny(), attention_backend="torch", device="cpu", dtype="float32", num_kv_blocks=16
     )
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.backend.name == "torch" and runner.backend.kernels is None and runner.graphs is None
     assert runner.warm_up() == 0.0
     assert all(not k.any() for k in runner.cache.k), "a warm-up wrote K/V it did not need"
@@ -91,7 +91,7 @@ def test_auto_falls_back_loudly_when_its_choice_cannot_start(monkeypatch, caplog
     monkeypatch.setattr(registry_mod, "backend_class", lambda name: Broken if name == "cpu" else real(name))
     with caplog.at_level(logging.WARNING):
         llm = LLM(loaded_model=_tiny(), device="cpu", dtype="float32", num_kv_blocks=16)
-    assert llm.engine.runner.backend.name == FALLBACK
+    assert llm.engine.executor.runner.backend.name == FALLBACK
     assert "could not build its kernels" in caplog.text and "kernel build failed" in caplog.text
     with pytest.raises(RuntimeError, match="kernel build failed"):  # asked for by name: no fallback
         LLM(loaded_model=_tiny(), attention_backend="cpu", device="cpu", dtype="float32", num_kv_blocks=16)

@@ -69,9 +69,14 @@ def test_cuda_graphs_give_the_outputs_of_eager_decodes(case):
         prompts = _prompts(loaded.config.vocab_size, [20 + 7 * k for k in range(n)])
         graphs = _llm(loaded, dtype, "triton", 4096)
         eager = _llm(loaded, dtype, "triton", 4096, enforce_eager=True)
-        assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+        assert (
+            graphs.engine.executor.runner.graphs is not None and eager.engine.executor.runner.graphs is None
+        )
         a, b = _run(graphs, prompts, 12), _run(eager, prompts, 12)
-        assert graphs.engine.runner.piecewise is not None and graphs.engine.runner.piecewise.graphs
+        assert (
+            graphs.engine.executor.runner.piecewise is not None
+            and graphs.engine.executor.runner.piecewise.graphs
+        )
         if n in (1, 4):  # same kernels, same shapes: bit-identical
             assert [o.token_ids for o in a] == [o.token_ids for o in b]
             assert [o.logprobs[-1].logprob for o in a] == [o.logprobs[-1].logprob for o in b]
@@ -97,7 +102,7 @@ def test_fp16_and_fp32_work_on_cuda(dtype):
     ref = _run(_llm(loaded, dtype, "torch", 4096), prompts)
     auto = _llm(loaded, dtype, "auto", 64)
     want = "torch" if dtype == torch.float32 else "triton"
-    assert auto.engine.runner.backend.name == want
+    assert auto.engine.executor.runner.backend.name == want
     _compare(ref, _run(auto, prompts), dtype, f"auto ({want}) {dtype}")
     if dtype == torch.float32:
         _compare(ref, _run(_llm(loaded, dtype, "triton", 64), prompts), dtype, "triton fp32")

@@ -47,7 +47,7 @@ def test_piecewise_flow_gives_the_eager_outputs(monkeypatch):
         out = LLM(loaded_model=loaded, attention_backend="triton", token_budget=24, device="cpu",
                   dtype="float32", num_kv_blocks=64, max_num_seqs=8)  # fmt: skip
         if piecewise:
-            runner = out.engine.runner
+            runner = out.engine.executor.runner
             runner.piecewise = PiecewiseGraphs(runner.model, runner.backend, [16, 32])
             monkeypatch.setattr(PiecewiseGraphs, "capture", _fake_capture)
             runner.piecewise.capture(None)

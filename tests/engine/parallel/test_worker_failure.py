@@ -10,6 +10,7 @@ import pytest
 from parallel_helpers import make_parallel_llm, prompts_for
 
 from stallfree.engine import LLM, SamplingParams
+from stallfree.engine.executor import ExecutorFailedError
 from stallfree.engine.parallel.executor import WorkerFailedError
 
 DETECT_S = 10.0  # kill -> error, including stopping the other ranks (polls every 0.2 s, 3 s grace)
@@ -41,7 +42,7 @@ def test_killed_worker_fails_the_engine_cleanly(default_model):
         assert not eng.has_unfinished_requests()  # every request ended (with an error)
         for pid in pids:  # the surviving rank was stopped too
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        with pytest.raises(WorkerFailedError):
+        with pytest.raises(ExecutorFailedError):  # the engine refuses new work from then on
             llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         timer.cancel()
@@ -59,7 +60,7 @@ def test_worker_dying_while_idle_is_noticed_by_check_health(default_model):
             while time.monotonic() < deadline:
                 eng.check_health()
                 time.sleep(0.1)
-        with pytest.raises(WorkerFailedError):
+        with pytest.raises(ExecutorFailedError):
             eng.step()
     finally:
         eng.shutdown()

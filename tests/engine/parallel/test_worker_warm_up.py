@@ -36,7 +36,7 @@ def test_every_rank_warms_up_before_ready_and_outputs_do_not_change(tmp_path, ca
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL))
     ref = run(small_llm(str(config)), PROMPTS)
-    with caplog.at_level(logging.INFO, logger="stallfree.engine.parallel.engine"):
+    with caplog.at_level(logging.INFO, logger="stallfree.engine.parallel.executor"):
         llm = small_llm(str(config), **layout)
     try:
         assert any("worker ranks warmed up" in r.getMessage() for r in caplog.records), caplog.text

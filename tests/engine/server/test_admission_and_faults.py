@@ -113,7 +113,7 @@ def fresh(default_model):
 
 
 def test_forward_failure_becomes_500_and_an_sse_error_event(fresh, monkeypatch):
-    runner = fresh.engine.runner
+    runner = fresh.engine.executor.runner
 
     def broken(*a, **kw):
         raise RuntimeError("simulated device fault")

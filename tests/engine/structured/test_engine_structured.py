@@ -100,9 +100,15 @@ def test_a_bad_grammar_is_refused_when_the_request_is_added(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_the_parallel_engine_refuses_constraints_it_cannot_carry():
-    from stallfree.engine.parallel.engine import ParallelLLMEngine
+def test_an_engine_over_worker_ranks_refuses_constraints_it_cannot_carry():
+    """The grammar masks are filled by a thread of the leader: the parallel executor says it cannot carry
+    them, and the engine refuses such a request (checked here without starting any worker)."""
+    from types import SimpleNamespace
 
+    from stallfree.engine.engine import LLMEngine
+    from stallfree.engine.parallel.executor import ParallelExecutor
+
+    engine = SimpleNamespace(executor=ParallelExecutor)
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
     with pytest.raises(ValueError, match="not supported with tensor or pipeline parallelism"):
-        ParallelLLMEngine.validate_prompt(object(), [1, 2], params)  # type: ignore[arg-type]
+        LLMEngine.validate_prompt(engine, [1, 2], params)  # type: ignore[arg-type]
