@@ -1,4 +1,5 @@
-"""/v1/completions, /v1/chat/completions and /v1/models."""
+"""/v1/completions, /v1/chat/completions and /v1/models, and the admission and streaming helpers that
+/v1/responses (responses_routes.py) shares with them."""
 
 from __future__ import annotations
 
@@ -6,18 +7,21 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from stallfree.engine.outputs import RequestOutput
+from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.server.async_engine import AsyncEngine, RequestStream
 from stallfree.engine.server.constraints import chat_prompt, constrain, request_constraint
 from stallfree.engine.server.errors import APIError, BadRequest, ContextLengthExceeded, EngineError
 from stallfree.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.engine.server.responses import SSE_DONE, ResponseBuilder, sse
 from stallfree.engine.server.state import ServerState
+from stallfree.engine.server.tool_calls.stream import ToolCallExtractor
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +82,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = state.ready_engine()
     state.check_model(body.model)
     body.check_unsupported(engine.engine.model_config.vocab_size)
+    chat = await prepare_chat(state, engine, body)
+    return await _serve(state, engine, request, "chat", chat.token_ids, chat.params, body, chat.extractors)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request made ready for the engine: its prompt, its sampling (constraint compiled) and the
+    readers of its tool calls (None without tools)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    extractors: list[ToolCallExtractor] | None
+
+
+async def prepare_chat(
+    state: ServerState,
+    engine: AsyncEngine,
+    body: ChatCompletionRequest,
+    *,
+    prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
+) -> PreparedChat:
+    """Prompt (chat template, tools), token limit, sampling and constraint of a chat request: one path for
+    /v1/chat/completions and /v1/responses. The *_param names are the request's fields, for the 400s."""
     prompt = chat_prompt(engine.engine, body, state.settings.tool_call_parser)
     ids = prompt.token_ids
-    max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), "messages")
+    max_tokens = _max_tokens(engine, len(ids), body.requested_max_tokens(), prompt_param, max_tokens_param)
     params = body.sampling_params(max_tokens, body.num_logprobs())
     so = request_constraint(body, prompt.plan)
     field = "tools" if so is not None and so is prompt.plan.structured_outputs else body.constraint_field()
     params = await constrain(engine.engine, params, so, field)
-    return await _serve(state, engine, request, "chat", ids, params, body, prompt.extractors(body.n))
+    return PreparedChat(ids, params, prompt.extractors(body.n))
 
 
-def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param: str) -> int:
+def _max_tokens(
+    engine: AsyncEngine, n_prompt: int, requested: int | None, param: str, max_param: str = "max_tokens"
+) -> int:
     limit = engine.engine.max_model_len
     if n_prompt >= limit:
         raise ContextLengthExceeded(
@@ -101,32 +131,17 @@ def _max_tokens(engine: AsyncEngine, n_prompt: int, requested: int | None, param
     if n_prompt + requested > limit:
         raise ContextLengthExceeded(
             f"this model's maximum context length is {limit} tokens, but {n_prompt + requested} were "
-            f"requested ({n_prompt} in the prompt, {requested} in max_tokens): reduce max_tokens or the prompt",
-            param="max_tokens",
+            f"requested ({n_prompt} in the prompt, {requested} in {max_param}): reduce {max_param} or the prompt",
+            param=max_param,
         )
     return requested
 
 
 async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, params, body, tool_calls=None):
-    header = request.headers.get(TRAFFIC_HEADER)
-    cluster = engine.traffic.classify(header, len(ids))
-    if cluster is None:
-        raise BadRequest(
-            f"unknown traffic cluster {header!r} in the {TRAFFIC_HEADER} header; known: "
-            f"{', '.join(engine.traffic.known_headers())}",
-            param=TRAFFIC_HEADER,
-        )
-    try:
-        # NOTE: validate_prompt only reads immutable engine facts (vocab, max_model_len, block counts).
-        engine.engine.validate_prompt(ids, params)
-    except ValueError as e:
-        raise BadRequest(str(e), param="prompt" if kind == "completion" else "messages") from e
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    waiting = engine.waiting(cluster)
-    rate = state.window.admission_rate(cluster)
-    hint = min(MAX_RETRY_AFTER_S, (waiting + 1) / rate) if rate > 0 else 1.0
-    rs = engine.submit(request_id, ids, params, cluster, retry_after_hint=hint, n=body.n)
+    param = "prompt" if kind == "completion" else "messages"
+    rs = admit(state, engine, request, request_id, ids, params, n=body.n, prompt_param=param)
     builder = ResponseBuilder(
         kind,
         request_id,
@@ -139,25 +154,76 @@ async def _serve(state, engine: AsyncEngine, request: Request, kind: str, ids, p
         tool_calls=tool_calls,
     )
     if body.stream:
-        release = _releaser(engine, rs)
-        # NOTE: if the client leaves before the body starts, the generator never runs and its finally never
-        # fires; the background task runs after the response either way, so the request is still aborted.
-        return StreamingResponse(
-            _stream(rs, builder, body.include_usage, release),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(release),
+        return event_stream(engine, rs, lambda release: _stream(rs, builder, body.include_usage, release))
+    outs = await collect_whole(engine, rs, request)
+    if outs is None:  # the client went away; nobody reads this
+        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+    return JSONResponse(builder.full(outs))
+
+
+def admit(
+    state: ServerState,
+    engine: AsyncEngine,
+    request: Request,
+    request_id: str,
+    ids: list[int],
+    params: SamplingParams,
+    *,
+    n: int = 1,
+    prompt_param: str = "messages",
+) -> RequestStream:
+    """Classify the request into its traffic cluster and submit it (429 when the cluster's queue is full).
+    Every accepted request must end with `engine.request_done()`: collect_whole and event_stream see to it."""
+    header = request.headers.get(TRAFFIC_HEADER)
+    cluster = engine.traffic.classify(header, len(ids))
+    if cluster is None:
+        raise BadRequest(
+            f"unknown traffic cluster {header!r} in the {TRAFFIC_HEADER} header; known: "
+            f"{', '.join(engine.traffic.known_headers())}",
+            param=TRAFFIC_HEADER,
         )
+    try:
+        # NOTE: validate_prompt only reads immutable engine facts (vocab, max_model_len, block counts).
+        engine.engine.validate_prompt(ids, params)
+    except ValueError as e:
+        raise BadRequest(str(e), param=prompt_param) from e
+    waiting = engine.waiting(cluster)
+    rate = state.window.admission_rate(cluster)
+    hint = min(MAX_RETRY_AFTER_S, (waiting + 1) / rate) if rate > 0 else 1.0
+    return engine.submit(request_id, ids, params, cluster, retry_after_hint=hint, n=n)
+
+
+async def collect_whole(
+    engine: AsyncEngine, rs: RequestStream, request: Request
+) -> list[RequestOutput] | None:
+    """Each choice's final output of an admitted request; None when the client left first (the request is
+    aborted). EngineError when the engine failed it."""
     try:
         outs = await _collect(engine, rs, request)
     finally:
         engine.request_done()
-    if outs is None:  # the client went away; nobody reads this
-        return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-    failed = next((o for o in outs if o.finish_reason == "error"), None)
+    failed = next((o for o in outs or () if o.finish_reason == "error"), None)
     if failed is not None:
         raise EngineError(failed.error or "the engine failed this request")
-    return JSONResponse(builder.full(outs))
+    return outs
+
+
+def event_stream(
+    engine: AsyncEngine,
+    rs: RequestStream,
+    events: Callable[[Callable[[], Awaitable[None]]], AsyncIterator[str]],
+) -> StreamingResponse:
+    """The SSE response of an admitted request. `events(release)` yields its events and must await
+    `release()` when it ends; the release also runs after the response, whatever happened."""
+    release = _releaser(engine, rs)
+    # NOTE: if the client leaves before the body starts, the generator never runs and its finally never
+    # fires; the background task runs after the response either way, so the request is still aborted.
+    return StreamingResponse(
+        events(release),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(release),
+    )
 
 
 async def _collect(engine: AsyncEngine, rs: RequestStream, request: Request) -> list[RequestOutput] | None:

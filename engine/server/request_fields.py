@@ -57,6 +57,7 @@ INERT_VALUES: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0),
     "spaces_between_special_tokens": (True,),
     "verbosity": ("medium",),
+    "truncation": ("disabled",),
 }
 
 # Harmless: they do not change what is generated.
@@ -84,14 +85,17 @@ def inert(name: str, value: Any) -> bool:
     """True when setting `name` to `value` changes nothing (so it needs no support)."""
     if value is None or value is False or (isinstance(value, str | list | dict) and not value):
         return True
+    if isinstance(value, dict) and all(v is None for v in value.values()):  # e.g. {"effort": null}
+        return True
     return any(value == v and type(value) is type(v) for v in INERT_VALUES.get(name, ()))
 
 
-def refuse_unsupported(fields: Mapping[str, Any]) -> None:
+def refuse_unsupported(fields: Mapping[str, Any], refused: Mapping[str, str] = REFUSED_FIELDS) -> None:
     """Raise BadRequest naming the first field of `fields` (the body's fields not declared on the request
-    model) that would change the output and is not implemented; log the unknown ones."""
+    model) that would change the output and is not implemented (`refused`: field -> why); log the unknown
+    ones."""
     for name, value in fields.items():
-        why = REFUSED_FIELDS.get(name)
+        why = refused.get(name)
         if why is not None:
             if not inert(name, value):
                 raise BadRequest(why, param=name)
