@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stallfree.engine.engine import LLMEngine
-from stallfree.engine.server import admin, openai_routes
+from stallfree.engine.server import admin, openai_routes, responses_routes
 from stallfree.engine.server.errors import APIError, BadRequest, NotFound
 from stallfree.engine.server.metrics import CONTENT_TYPE
 from stallfree.engine.server.openai_routes import error_response
@@ -37,6 +37,7 @@ def build_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine])
     app = FastAPI(title="stallfree", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(admin.router)
     _install_error_handlers(app)
 

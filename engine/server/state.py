@@ -14,6 +14,7 @@ from stallfree.engine.server.errors import Forbidden, NotFound, NotReady, Unauth
 from stallfree.engine.server.iteration_log import IterationLog
 from stallfree.engine.server.metrics import PrometheusMetrics
 from stallfree.engine.server.observer import EngineObserver, FanOut
+from stallfree.engine.server.response_store import ResponseStore
 from stallfree.engine.server.stats import WindowStats
 from stallfree.engine.server.traffic import TrafficConfig
 
@@ -36,6 +37,10 @@ class ServerSettings:
     # loaded model's own name.
     served_model_names: tuple[str, ...] = ()
     tool_call_parser: str = "auto"  # how tool calls are read from the output: auto, hermes, llama3_json
+    responses_store_size: int = (
+        1024  # /v1/responses kept in memory for previous_response_id and GET (0: none)
+    )
+    responses_store_ttl_s: float = 3600.0  # how long each is kept
 
 
 class ServerState:
@@ -52,6 +57,7 @@ class ServerState:
         self.admin_lock = asyncio.Lock()
         self._load_task: asyncio.Task | None = None
         self.iteration_log: IterationLog | None = None
+        self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_ttl_s)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def start_loading(self) -> None:
