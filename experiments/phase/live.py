@@ -10,9 +10,13 @@ stops it (SIGTERM) before the next run starts:
 
   static B   budget.initial = B, controller.enabled = false: the budget and chunk caps stay at B
              (chunk caps no lower than the budget: what serving stacks do today)
-  adaptive   budget.initial = --initial, controller.enabled = true: local mode's control loop (the real
-             decide()) retunes the budget within [min, max] of --budgets, and the chunk caps with it,
-             every --interval seconds from the engines' P99s over --window seconds
+  adaptive   what a user gets by default with the controller on (--adaptive time, the default):
+             budget.mode = time, each iteration's prefill sized by the engine's calibrated cost model to
+             fit --time-target x the strictest P99 TBT SLO among the clusters decoding in it, up to
+             --time-cap tokens (also the clusters' chunkCap), and local mode's control loop (the real
+             decide()) tuning the target and admission. --adaptive tokens: budget.initial = --initial,
+             and the loop retunes the token budget within [min, max] of --budgets, and the chunk caps
+             with it. Either way every --interval seconds from the engines' P99s over --window seconds
 
 Otherwise every run's spec is the same: one replica, policy sarathi, traffic clusters chat (priority 10) and
 summarization (priority 0) chosen by the x-traffic-cluster header alone, with the SLOs given below, and
@@ -70,6 +74,7 @@ from experiments.phase.sim import (
     Req,
     build_workload,
     client_timeline,
+    cluster_figures,
     parse_phases,
     plot,
     recovery_intervals,
@@ -97,6 +102,9 @@ class LiveConfig:
     interval_s: int
     window_s: int
     max_num_seqs: int = 64
+    adaptive_mode: str = "time"  # "time": budget.mode time with the controller; "tokens": the token loop
+    time_target: float = 0.8
+    time_cap: int = 2048
 
 
 # ---- the SarathiDeployment of one run (pure) --------------------------------------------------------------
@@ -105,6 +113,13 @@ class LiveConfig:
 def deployment(cfg: LiveConfig, static_budget: int | None) -> dict:
     """The SarathiDeployment for one run: static at `static_budget` (controller off), adaptive when None."""
     lo, hi = min(cfg.budgets), max(cfg.budgets)
+    timed = static_budget is None and cfg.adaptive_mode == "time"
+    if timed:  # the cap bounds every chunk; the clusters' caps must not undercut it
+        hi = max(hi, cfg.time_cap)
+        budget = {"mode": "time", "timeTarget": cfg.time_target, "min": lo, "max": hi, "align": 32}
+    else:
+        budget = {"initial": cfg.initial if static_budget is None else static_budget, "min": lo, "max": hi,
+                  "align": 32}  # fmt: skip
 
     def slo(s: Slo) -> dict:
         return {"ttftP99Seconds": s.ttft_p99, "tbtP99Seconds": s.tbt_p99,
@@ -131,12 +146,7 @@ def deployment(cfg: LiveConfig, static_budget: int | None) -> dict:
             "resources": {"gpusPerPod": 0},
             "engine": {"policy": "sarathi", "blockSize": 16, "maxNumSeqs": cfg.max_num_seqs},
             "slo": slo(cfg.specs[0].slo),
-            "budget": {
-                "initial": cfg.initial if static_budget is None else static_budget,
-                "min": lo,
-                "max": hi,
-                "align": 32,
-            },
+            "budget": budget,
             "trafficClusters": clusters,
             "controller": {
                 "enabled": static_budget is None,
@@ -320,6 +330,7 @@ def judge(
     own = client_timeline(recs, names, step, step)
     sc["interval_recovery_intervals"] = recovery_intervals(own, starts, specs, step)
     sc["interval_violation_episodes"] = violation_episodes(own, specs, step)
+    sc["clusters"] = cluster_figures(recs, specs)
     return sc
 
 
@@ -401,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--initial", type=int, default=512, help="adaptive run's starting budget (default %(default)s)"
     )
+    p.add_argument("--adaptive", choices=("time", "tokens"), default="time",
+                   help="the adaptive run: `time` (budget.mode time with the controller on, the product's "
+                   "default) or `tokens` (the controller retuning one token budget) (default %(default)s)")  # fmt: skip
+    p.add_argument("--time-target", type=float, default=0.8,
+                   help="budget.timeTarget of the --adaptive time run (default %(default)s)")  # fmt: skip
+    p.add_argument("--time-cap", type=int, default=2048,
+                   help="budget.max (tokens) of the --adaptive time run (default %(default)s)")  # fmt: skip
     p.add_argument("--phases", default="0.3/0.02,0/0.5,0.3/0.02,0/0.5",
                    help="CHAT_QPS/SUMM_QPS per phase, comma-separated (default: interactive, document batch, "
                    "x2)")  # fmt: skip
@@ -462,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         phases = parse_phases(a.phases)
         budgets = sorted({int(b) for b in a.budgets.split(",")})
         specs = cluster_specs(vars(a))
-        cfg = LiveConfig(specs, tuple(budgets), a.initial, a.interval, a.window, a.max_num_seqs)
+        cfg = LiveConfig(specs, tuple(budgets), a.initial, a.interval, a.window, a.max_num_seqs,
+                         a.adaptive, a.time_target, a.time_cap)  # fmt: skip
         runs: list[tuple[str, int | None]] = [(f"static-{b}", b) for b in budgets] + [("adaptive", None)]
         docs = {name: deployment(cfg, b) for name, b in runs}
         for doc in docs.values():
@@ -594,9 +613,18 @@ def report_one(out: Path) -> dict:
     return results
 
 
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s"
+
+
+def cluster_cell(sc: dict, fmt) -> str:
+    """One figure per traffic cluster (`name figure`, space-separated); '-' for runs scored before."""
+    return " ".join(f"{n} {fmt(f)}" for n, f in sc.get("clusters", {}).items()) or "-"
+
+
 def table(results: dict, budgets: Sequence[int]) -> str:
-    rows = [("run", "goodput/s", "attain", "good/requests per phase", "ok rej err t/o", "load 1m", "steal",
-             "startup")]  # fmt: skip
+    rows = [("run", "goodput/s", "attain", "good/requests per phase", "ok rej err t/o", "P99 TBT per cluster",
+             "TTFT P50/P99 per cluster", "load 1m", "steal", "startup")]  # fmt: skip
     for name, sc in [
         *((f"static {b}", results["static"][b]) for b in budgets),
         ("adaptive", results["adaptive"]),
@@ -605,6 +633,8 @@ def table(results: dict, budgets: Sequence[int]) -> str:
         rows.append((name, f"{sc['goodput']:.3f}", f"{sc['attainment']:.1%}",
                      " ".join(f"{p['good']}/{p['requests']}" for p in sc["phases"]),
                      f"{o['ok']} {o['rejected']} {o['error']} {o['timeout']}",
+                     cluster_cell(sc, lambda f: _s(f["tbt_p99_s"])),
+                     cluster_cell(sc, lambda f: f"{_s(f['ttft_p50_s'])}/{_s(f['ttft_p99_s'])}"),
                      f"{sc['loadavg_before'][0]:.2f}->{sc['loadavg_after'][0]:.2f}",
                      f"{sc['host']['steal_share']:.1%}" if "steal_share" in sc.get("host", {}) else "-",
                      f"{sc['startup_s']:.0f}s"))  # fmt: skip

@@ -28,7 +28,7 @@ def make_config(**kw) -> pl.LiveConfig:
 def test_static_and_adaptive_files_validate_and_differ_only_in_budget_and_controller(tmp_path):
     from stallfree.local.config import load
 
-    cfg = make_config()
+    cfg = make_config(adaptive_mode="tokens")
     static, adaptive = pl.deployment(cfg, 128), pl.deployment(cfg, None)
     for name, doc in (("static", static), ("adaptive", adaptive)):
         path = tmp_path / f"{name}.yaml"
@@ -47,6 +47,24 @@ def test_static_and_adaptive_files_validate_and_differ_only_in_budget_and_contro
     assert adaptive["spec"]["controller"]["intervalSeconds"] == 5
     static["spec"]["budget"]["initial"], static["spec"]["controller"]["enabled"] = 512, True
     assert static == adaptive
+
+
+def test_time_mode_adaptive_run_budgets_in_time_under_the_cap(tmp_path):
+    """--adaptive time (the default): the adaptive run is what a user gets from SLOs alone with the
+    controller on; its chunks may grow to the cap, so no cluster's chunkCap undercuts it. Statics unchanged."""
+    from stallfree.local.config import load
+
+    cfg = make_config(budgets=(64, 128, 256), time_target=0.7, time_cap=1024)
+    static, adaptive = pl.deployment(cfg, 128), pl.deployment(cfg, None)
+    assert static["spec"]["budget"] == {"initial": 128, "min": 64, "max": 256, "align": 32}
+    assert adaptive["spec"]["budget"] == {"mode": "time", "timeTarget": 0.7, "min": 64, "max": 1024, "align": 32}
+    assert {c["chunkCap"] for c in adaptive["spec"]["trafficClusters"]} == {1024}
+    assert {c["chunkCap"] for c in static["spec"]["trafficClusters"]} == {256}
+    path = tmp_path / "adaptive.yaml"
+    path.write_text(yaml.safe_dump(adaptive))
+    dep = load(path)
+    assert dep.spec.budget_mode == "time" and dep.spec.time_target == 0.7
+    assert adaptive["spec"]["controller"]["enabled"] is True and static["spec"]["controller"]["enabled"] is False
 
 
 def test_budgets_off_the_alignment_are_refused_before_any_engine_starts(tmp_path, capsys):
