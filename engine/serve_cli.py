@@ -198,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "calls are read from the model's output with tool_choice auto: hermes (<tool_call> "
                    "blocks, Hermes/Qwen) or llama3_json (Llama 3.1 JSON); auto picks it from the chat "
                    "template (hermes when the template has no tool format)")  # fmt: skip
+    h.add_argument("--responses-store-size", type=int, default=1024, metavar="N", help="stored /v1/responses "
+                   "(store: true, the default) for previous_response_id and GET/DELETE /v1/responses/{id}: kept "
+                   "in this process's memory, at most N (the oldest forgotten first), lost on restart; 0 stores "
+                   "none (default 1024)")  # fmt: skip
+    h.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="S", help="seconds a stored "
+                   "response is kept; after that (or once evicted) its id is a 404 (default 3600)")  # fmt: skip
     return p
 
 
@@ -285,6 +291,11 @@ def build_configs(args: argparse.Namespace):
 
         read_contract().ranks(parallel.world_size)  # a bad multi-node environment fails here, clearly
     budget, time_target = budget_mode(args)
+    if args.responses_store_size < 0 or not args.responses_store_ttl > 0:
+        raise ValueError(
+            "--responses-store-size must be >= 0 and --responses-store-ttl > 0 seconds, got "
+            f"{args.responses_store_size} and {args.responses_store_ttl}"
+        )
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -358,6 +369,8 @@ def build_configs(args: argparse.Namespace):
         iteration_log=args.iteration_log,
         served_model_names=served_names,
         tool_call_parser=args.tool_call_parser,
+        responses_store_size=args.responses_store_size,
+        responses_store_ttl_s=args.responses_store_ttl,
     )
     return engine_config, settings
 

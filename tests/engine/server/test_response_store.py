@@ -122,3 +122,17 @@ def test_unsupported_fields_are_named(body, param):
     with pytest.raises(BadRequest) as e:
         ResponsesRequest.model_validate(body).check_unsupported()
     assert e.value.param == param
+
+
+def test_serve_has_the_store_flags_and_says_what_they_keep():
+    from stallfree.engine.serve_cli import build_configs, build_parser
+
+    helptext = " ".join(build_parser().format_help().split())
+    assert "--responses-store-size N" in helptext and "--responses-store-ttl S" in helptext
+    assert "in this process's memory" in helptext and "lost on restart" in helptext
+    _, settings = build_configs(
+        build_parser().parse_args(["--responses-store-size", "7", "--responses-store-ttl", "9"])
+    )
+    assert (settings.responses_store_size, settings.responses_store_ttl_s) == (7, 9.0)
+    with pytest.raises(ValueError, match="--responses-store-ttl"):
+        build_configs(build_parser().parse_args(["--responses-store-ttl", "0"]))
