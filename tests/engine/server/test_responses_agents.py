@@ -1,0 +1,78 @@
+"""The OpenAI Agents SDK against a real server on the bundled model: an agent with a function tool runs its
+tool loop to a final answer with the SDK's default model (OpenAIResponsesModel, /v1/responses) and with
+OpenAIChatCompletionsModel (/v1/chat/completions), whole and streamed.
+
+The first turn names the tool (tool_choice, forced by the grammar engine: the tiny model would not call it
+on its own); the SDK then resets tool_choice, so the second turn answers from the tool's result. Tracing is
+off: nothing leaves this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from server_helpers import API_KEY
+
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+import agents  # noqa: E402 - openai-agents, in the dev extra; tracing is off before it loads
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _agent(server, model_class, calls: list[dict]):
+    from openai import AsyncOpenAI
+
+    @agents.function_tool
+    def get_weather(city: str, unit: str = "celsius") -> str:
+        """Current weather of a city."""
+        calls.append({"city": city, "unit": unit})
+        return f"It is sunny and 21 degrees {unit} in {city}."
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return agents.Agent(
+        name="weather",
+        instructions="Answer questions about the weather with the get_weather tool.",
+        tools=[get_weather],
+        model=model_class(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=60),
+    )
+
+
+async def _run(agent, streamed: bool):
+    if not streamed:
+        return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+    run = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+    kinds = set()
+    async for event in run.stream_events():
+        kinds.add(event.type)
+    assert "raw_response_event" in kinds, "the model's events were streamed"
+    return run
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("model_class", ["OpenAIResponsesModel", "OpenAIChatCompletionsModel"])
+def test_an_agent_runs_its_tool_loop_to_a_final_answer(server, model_class, streamed):
+    agents.set_tracing_disabled(True)
+    calls: list[dict] = []
+    agent = _agent(server, getattr(agents, model_class), calls)
+    result = asyncio.run(_run(agent, streamed))
+    assert len(calls) == 1 and isinstance(calls[0]["city"], str) and calls[0]["city"], calls
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert len(result.raw_responses) == 2, "one turn called the tool, the next answered"
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    if model_class == "OpenAIResponsesModel":
+        assert all(r.response_id and r.response_id.startswith("resp_") for r in result.raw_responses)
+
+
+def test_a_server_error_ends_the_agent_run_with_an_exception(server):
+    """A refused request is an explicit error in the agent, not an empty answer."""
+    from openai import BadRequestError
+
+    agents.set_tracing_disabled(True)
+    agent = _agent(server, agents.OpenAIResponsesModel, [])
+    agent.model_settings = agents.ModelSettings(max_tokens=10**6)  # beyond the context length
+    with pytest.raises(BadRequestError, match="max_output_tokens"):
+        asyncio.run(_run(agent, False))
