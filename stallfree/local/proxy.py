@@ -4,8 +4,9 @@
 through unchanged (SSE included); a replica that refuses the connection is skipped before any byte is sent,
 one that drops it before answering gets the request once more, and a transport failure is a 502 JSON error.
 A stream never ends silently: SSE is relayed event by event, and when the replica's stream breaks (it died,
-the connection dropped) or ends without `data: [DONE]`, the client gets an error event in the OpenAI shape
-and then [DONE], so the openai SDK raises instead of returning a short answer as if it were whole.
+the connection dropped) or ends without `data: [DONE]` (/v1/responses: without its terminal event,
+response.completed / incomplete / failed), the client gets an error event in the OpenAI shape and then
+[DONE], so the openai SDK raises instead of returning a short answer as if it were whole.
 Also: /health, /ready, /metrics (the controller's decisions) and GET /admin/v1/status (the status document,
 bearer token only when one is configured or the proxy binds beyond loopback).
 """
@@ -42,6 +43,11 @@ HOP_BY_HOP = {
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# A /v1/responses stream ends with one of these events instead of [DONE].
+RESPONSES_TERMINAL = tuple(
+    f"event: {kind}\n".encode()
+    for kind in ("response.completed", "response.incomplete", "response.failed", "error")
+)
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -63,7 +69,7 @@ async def relay_sse(resp: httpx.Response, base: str) -> AsyncIterator[bytes]:
             if cut < 0:
                 continue
             events, pending = pending[: cut + 2], pending[cut + 2 :]
-            done = events.endswith(SSE_DONE)
+            done = ends_stream(events)
             yield events
     except httpx.TransportError as e:
         log.warning("replica %s broke a stream mid-way: %r", base, e)
@@ -73,6 +79,14 @@ async def relay_sse(resp: httpx.Response, base: str) -> AsyncIterator[bytes]:
     if not done:
         log.warning("replica %s ended a stream without [DONE]", base)
         yield _sse_error("the engine replica ended this stream before it was complete; retry the request")
+
+
+def ends_stream(events: bytes) -> bool:
+    """Whether whole SSE events end with the stream's last: [DONE], or a Responses terminal event."""
+    if events.endswith(SSE_DONE):
+        return True
+    start = events.rfind(b"\n\n", 0, len(events) - 2)
+    return events[start + 2 if start >= 0 else 0 :].startswith(RESPONSES_TERMINAL)
 
 
 class Router:

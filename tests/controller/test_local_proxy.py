@@ -121,3 +121,30 @@ def test_a_stream_that_ends_without_done_gets_an_error_event():
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["Hel", "lo"]  # relayed unchanged
     assert "before it was complete" in json.loads(events[2])["error"]["message"]
     assert events[3:] == ["[DONE]"]
+
+
+class ResponsesStreamReplica(FakeReplica):
+    """Answers with a /v1/responses SSE body: whole (it ends with response.completed, no [DONE]) or cut
+    after a text delta."""
+
+    HEAD = (b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
+            b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "delta": "Hi"}\n\n')  # fmt: skip
+    END = b'event: response.completed\ndata: {"type": "response.completed", "sequence_number": 2}\n\n'
+
+    def __init__(self, whole: bool) -> None:
+        self.body = self.HEAD + (self.END if whole else b"")
+        super().__init__()
+
+    def answer(self, conn: socket.socket, body: bytes) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(self.body), self.body)
+        )
+
+
+def test_a_whole_responses_stream_is_relayed_as_it_is_and_a_cut_one_gets_an_error_event():
+    whole = ResponsesStreamReplica(whole=True)
+    assert post_through_proxy(whole).content == whole.body  # its terminal event ends it: nothing added
+    cut = post_through_proxy(ResponsesStreamReplica(whole=False)).text
+    data = [line[6:] for line in cut.splitlines() if line.startswith("data: ")]
+    assert "before it was complete" in json.loads(data[2])["error"]["message"] and data[3:] == ["[DONE]"]
