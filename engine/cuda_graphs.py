@@ -12,9 +12,11 @@ Each graph class holds the model and the attention backend (which must support g
   attention calls instead of ~12 launches per layer from Python, which made a 512-token hybrid iteration
   host-bound on the H200 (docs/gpu.md).
 
-Both work on the whole model or on one pipeline stage of it (the parallel workers): a later stage's graphs
-read the previous stage's hidden states from a persistent input buffer instead of embedding token ids, and a
-stage before the last ends with its residual stream (what it hands on) instead of the final norm and logits.
+Both work on the model class, whole or as one pipeline stage (the parallel workers), and run its own forward:
+the decode graphs capture `forward` and `compute_logits`, the piecewise ones its `segment`s. A later stage's
+graphs read the previous stage's hidden states from a persistent input buffer instead of embedding token ids,
+and a stage before the last ends with its residual stream (what it hands on) instead of the final norm and
+logits.
 Tensor-parallel collectives (the all-reduces after o_proj and down_proj, the logits' all-gather) are
 captured with the layers.
 
@@ -27,11 +29,10 @@ from __future__ import annotations
 import gc
 
 import torch
-from torch import nn
 
 from stallfree.engine.attention.backend import AttentionBackend
 from stallfree.engine.attention.batch import HostBatch
-from stallfree.engine.model.llama import AttentionFn
+from stallfree.engine.model.llama import AttentionFn, LlamaForCausalLM
 
 
 def graph_batch_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
@@ -49,7 +50,9 @@ class DecodeGraphs:
     replay first fills them from pinned host mirrors with asynchronous copies.
     """
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, sizes: list[int], max_pages: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, backend: AttentionBackend, sizes: list[int], max_pages: int
+    ) -> None:
         self.model, self.backend = model, backend
         self.sizes = sorted(sizes)
         dev = backend.cache.device
@@ -63,10 +66,9 @@ class DecodeGraphs:
             "tables": torch.zeros((n, max_pages), dtype=torch.int64, pin_memory=pin),
         }
         self.dev = {k: torch.zeros_like(v, device=dev) for k, v in self.host.items()}
-        parts = model.parts()
-        self.last = parts.norm is not None  # ends in logits; else in the hidden states handed on
+        self.last = model.last_stage  # ends in logits; else in the hidden states handed on
         # A later pipeline stage's input: the previous stage's hidden states, copied in before a replay.
-        self.x_in = None if parts.embed is not None else _hidden_buffer(model, n, dev)
+        self.x_in = None if model.first_stage else _hidden_buffer(model, n, dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._copied = torch.cuda.Event() if pin else None
 
@@ -147,9 +149,9 @@ def piecewise_sizes(largest: int = 1024) -> list[int]:
     return list(range(32, largest + 1, 32)) if largest >= 32 else []
 
 
-def _hidden_buffer(model: nn.Module, rows: int, device: torch.device) -> torch.Tensor:
+def _hidden_buffer(model: LlamaForCausalLM, rows: int, device: torch.device) -> torch.Tensor:
     """A persistent (rows, C) buffer in the model's activation dtype."""
-    norm = model.parts().layers[0].input_layernorm.weight
+    norm = model.model.layers[0].input_layernorm.weight
     return torch.zeros(rows, model.config.hidden_size, dtype=norm.dtype, device=device)
 
 
@@ -173,22 +175,21 @@ class PiecewiseGraphs:
 
     Persistent buffers (largest size, sliced): token ids or, on a later pipeline stage, the previous stage's
     hidden states, positions, KV slots (inputs), the current layer's fused qkv, the residual stream, the
-    attention output and the final hidden states. Segment s of a size runs layer s - 1's post-attention part
-    and layer s's pre-attention part (s = 0: the embedding, or the input as it came; s = L: the final norm,
-    or on a stage before the last the residual stream it hands on). Head counts are this rank's (tensor
-    parallel shards them).
+    attention output and the final hidden states. Graph s of a size is the model's `segment(s)` (layer
+    s - 1's post-attention part and layer s's pre-attention part; s = 0 starts with the embedding, or the
+    input as it came; s = L ends in the final norm, or on a stage before the last the residual stream it
+    hands on), plus the K/V store of layer s. Head counts are this rank's (tensor parallel shards them).
     """
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, sizes: list[int]) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, sizes: list[int]) -> None:
         self.model, self.backend = model, backend
-        self.parts = model.parts()
         self.sizes = sorted(sizes)
         dev = backend.cache.device
         n = self.sizes[-1]
-        attn = self.parts.layers[0].self_attn
-        self.num_layers = len(self.parts.layers)
+        attn = model.model.layers[0].self_attn
+        self.num_layers = model.num_layers
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.x_in = None if self.parts.embed is not None else _hidden_buffer(model, n, dev)
+        self.x_in = None if model.first_stage else _hidden_buffer(model, n, dev)
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.residual = _hidden_buffer(model, n, dev)
@@ -204,24 +205,20 @@ class PiecewiseGraphs:
         return next((s for s in self.sizes if s >= tokens and s in self.graphs), None)
 
     def _segment(self, s: int, size: int) -> None:
-        p, fused = self.parts, self.backend.kernels
-        layers = p.layers
+        model, fused = self.model, self.backend.kernels
         if s == 0:
-            x = p.embed(self.ids[:size]) if self.x_in is None else self.x_in[:size]
+            h = model.model.embed_tokens(self.ids[:size]) if self.x_in is None else self.x_in[:size]
             residual = None
         else:
-            x, residual = layers[s - 1].post_attention(self.attn[:size], self.residual[:size], fused)
+            h, residual = self.attn[:size], self.residual[:size]
+        out, residual = model.segment(s, h, residual, self.pos[:size], fused)
         if s == self.num_layers:
-            if p.norm is None:  # a stage before the last hands its residual stream on whole
-                self.hidden[:size].copy_(x + residual)
-            else:
-                self.hidden[:size].copy_(fused.add_rmsnorm(x, residual, p.norm.weight, p.norm.eps)[0])
+            self.hidden[:size].copy_(out)  # the final norm's output, or the residual stream handed on
             return
-        qkv, residual = layers[s].pre_attention(x, residual, self.pos[:size], p.rotary, fused)
-        _, k, v = layers[s].self_attn.split_qkv(qkv)
+        _, k, v = model.model.layers[s].self_attn.split_qkv(out)
         kf, vf = self.backend.cache.flat(s)
         fused.store_kv(k, v, kf, vf, self.slots[:size])
-        self.qkv[:size].copy_(qkv)
+        self.qkv[:size].copy_(out)
         self.residual[:size].copy_(residual)
 
     def capture(self, pool) -> None:
@@ -260,7 +257,7 @@ class PiecewiseGraphs:
         self.slots[:T].copy_(slots)
         if size > T:
             self.slots[T:size].fill_(-1)
-        split = self.parts.layers[0].self_attn.split_qkv
+        split = self.model.model.layers[0].self_attn.split_qkv
         graphs = self.graphs[size]
         for s in range(self.num_layers + 1):
             graphs[s].replay()

@@ -13,9 +13,9 @@ Per iteration it
   intermediate chunks only fill the cache) and samples them, on the device in one batch when the backend
   says so (one synchronisation per iteration), else row by row.
 
-The parallel workers run the same loop over their stage of the model, with a `StageLink` that receives the
-previous stage's hidden states and sends theirs on; their graphs cover the stage (the hand-offs run between
-replays).
+The parallel workers run the same loop over their stage of the model (the model class itself, cut to its
+layers by LlamaForCausalLM.keep_layers), with a `StageLink` that receives the previous stage's hidden states
+and sends theirs on; their graphs cover the stage (the hand-offs run between replays).
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ class ModelRunner:
             attend = self.backend.bind(meta, store=False)
             hidden = self.piecewise.run(hb, x, batch.positions, batch.slot_mapping, attend)
         else:
-            hidden = self.model(x, batch.positions, self.backend.bind(meta), kernels)  # (T, C)
+            attend, rows = self.backend.bind(meta), self.backend.paged_rows(meta)
+            hidden = self.model(x, batch.positions, attend, kernels, rows)  # (T, C)
         if self._hand_on(hidden, persistent=piecewise) is None:
             return t1, None
         if not len(hb.sample_rows):

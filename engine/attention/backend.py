@@ -21,6 +21,7 @@ import torch
 
 from stallfree.engine.attention.batch import DeviceBatch
 from stallfree.engine.attention.kv_cache import KVCache
+from stallfree.engine.model.cpu_stack import PagedRows
 from stallfree.engine.model.llama import AttentionFn
 
 
@@ -57,6 +58,12 @@ class AttentionBackend:
         """The per-layer attention of this iteration. store=False when the caller already wrote the new
         K/V (the piecewise CUDA graphs do it inside the graph)."""
         raise NotImplementedError
+
+    def paged_rows(self, meta: Any) -> PagedRows | None:
+        """What a model that stores and attends by itself needs of this iteration (its caches and every row's
+        block table and key count: a CPU-packed model's one-call layer stack, model/cpu_stack.py), where the
+        backend offers that; None where it does not (the default)."""
+        return None
 
     def splits(self, padded_batch: int) -> int:
         """Split-KV count of the decode kernel at this padded batch size (graph-capable backends)."""

@@ -148,11 +148,16 @@ class TorchBackend(AttentionBackend):
                 out[sl] = self._prefill(q[sl], kf[p.kv_slots], vf[p.kv_slots], p.context_len)
             return out
 
-        if paged and store:  # a packed CPU model may then run its layers in one call (model/cpu_stack.py)
-            attend.paged_rows = PagedRows(
-                cache.k, cache.v, meta.slot_mapping, meta.decode_tables, meta.decode_lens, self.scale
-            )
         return attend
+
+    def paged_rows(self, meta: TorchMetadata) -> PagedRows | None:
+        """The cpu backend's every-row paged attention, for a packed CPU model's layer stack; else None."""
+        if meta.decode_tables is None or meta.decode_lens is None:
+            return None
+        cache = self.cache
+        return PagedRows(
+            cache.k, cache.v, meta.slot_mapping, meta.decode_tables, meta.decode_lens, self.scale
+        )
 
     def _decode(self, q, keys, vals, mask) -> torch.Tensor:
         # q: (D, H, hd); keys/vals: (D, L, KVH, hd), gathered a whole page at a time; mask (D, L) marks the

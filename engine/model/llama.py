@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stallfree.engine.model.config import Llama3RopeScaling, LlamaConfig
+
+if TYPE_CHECKING:
+    from stallfree.engine.model.cpu_stack import CpuStack, PagedRows
 
 
 class AttentionFn(Protocol):
@@ -32,8 +34,6 @@ class AttentionFn(Protocol):
     q `(T, nh, hd)`, k and v `(T, nkv, hd)`. It must store k/v in its cache and return `(T, nh, hd)`:
     each token attending to its own request's history plus the causal part of the current chunk.
     K/V heads are not repeated for grouped-query attention: query head h reads kv head h // (nh // nkv).
-    It may carry `paged_rows` (cpu_stack.PagedRows): then a packed CPU model may run its layers in one C++
-    call that stores and attends with those caches and tables itself.
     """
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -183,22 +183,6 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(
-        self,
-        x: Tensor,
-        residual: Tensor | None,
-        positions: Tensor,
-        rotary: RotaryEmbedding,
-        attn: AttentionFn,
-        kernels: ModuleType,
-    ) -> tuple[Tensor, Tensor]:
-        """The fused path: the residual add rides in the RMSNorm kernels. Returns (branch output, residual);
-        the caller adds them in the next norm. Same arithmetic as `forward`, fewer kernels. `kernels` is
-        the module of fused ops (see LlamaForCausalLM.forward)."""
-        qkv, residual = self.pre_attention(x, residual, positions, rotary, kernels)
-        out = attn(self.self_attn.layer_idx, *self.self_attn.split_qkv(qkv))  # (T, nh, hd)
-        return self.post_attention(out, residual, kernels)
-
     def pre_attention(
         self,
         x: Tensor,
@@ -207,7 +191,10 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         kernels: ModuleType,
     ) -> tuple[Tensor, Tensor]:
-        """Fused path, up to attention: (rotated fused qkv (T, (nh + 2 nkv) hd), residual stream (T, C))."""
+        """Fused path, up to attention: (rotated fused qkv (T, (nh + 2 nkv) hd), residual stream (T, C)).
+        The residual add rides in the RMSNorm kernel (residual None: the first layer of a stage); same
+        arithmetic as `forward`, fewer kernels. `kernels` is the module of fused ops (see
+        LlamaForCausalLM.forward)."""
         norm = self.input_layernorm
         h, residual = kernels.add_rmsnorm(x, residual, norm.weight, norm.eps)
         return self.self_attn.qkv_rope(h, positions, rotary, kernels), residual
@@ -231,22 +218,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@dataclass(frozen=True, slots=True)
-class StageParts:
-    """The pieces a forward runs, for code that replays a model layer by layer (the CUDA graphs): the whole
-    model, or one pipeline stage of it (stallfree.engine.parallel.stage.StageModel)."""
-
-    embed: nn.Embedding | None  # None: a later pipeline stage, whose input is the previous stage's output
-    layers: nn.ModuleList
-    norm: RMSNorm | None  # None: a stage that hands its residual stream (x + residual) to the next one
-    rotary: RotaryEmbedding
-
-
 class LlamaForCausalLM(nn.Module):
-    """Decoder stack plus LM head. `forward` returns final hidden states; `compute_logits` projects them.
+    """Decoder stack plus LM head, or one pipeline stage of it. `forward` returns final hidden states;
+    `compute_logits` projects them.
 
     Logits are computed separately so that the runner projects only the rows it samples from (the last
     token of a finished prefill, each decode), not every prompt token.
+
+    Pipeline roles: a whole model is both its first and its last stage. `keep_layers` makes it one stage of a
+    pipeline (stallfree.engine.parallel.stage.build_stage): the first stage embeds token ids, a later one
+    takes the previous stage's output; the last one ends in the final norm, an earlier one hands its
+    residual stream on whole. Same class, same forward, same CUDA graphs (stallfree.engine.cuda_graphs).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -261,40 +243,90 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config)
         # Set by cpu_linear.pack_for_cpu: the LM head in compact weights (the embedding stays for lookups),
-        # and the layers as one C++ call (cpu_stack.CpuStack) where the model allows it.
+        # and the layers as one C++ call (cpu_stack.CpuStack) where the model allows it. Set by
+        # parallel.layers.shard_model: the LM head of this rank's vocabulary rows, the logits gathered.
         self.logits_proj: nn.Module | None = None
-        self.cpu_stack = None
+        self.cpu_stack: CpuStack | None = None
+        # Pipeline roles (see the class doc): this stage's decoder layers [first, last) of the whole model.
+        self.first_stage = self.last_stage = True
+        self.layer_range = (0, config.num_layers)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers this model (or stage) runs."""
+        return len(self.model.layers)
+
+    def keep_layers(self, first: int, last: int, *, first_stage: bool, last_stage: bool) -> None:
+        """Become the pipeline stage of decoder layers [first, last), in place (the others are dropped)."""
+        self.model.layers = nn.ModuleList(self.model.layers[first:last])
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.layer_idx = i  # NOTE: an index into this rank's KV cache: only these layers
+        self.first_stage, self.last_stage = first_stage, last_stage
+        self.layer_range = (first, last)
+        self.cpu_stack = None  # NOTE: the C++ stack runs a whole model (every layer and the final norm)
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, attn: AttentionFn, kernels: ModuleType | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        attn: AttentionFn,
+        kernels: ModuleType | None = None,
+        paged_rows: PagedRows | None = None,
     ) -> Tensor:
-        """Run the decoder over one flattened ragged batch.
+        """Run the decoder (or this stage's layers) over one flattened ragged batch.
 
-        input_ids, positions: (T,) int64. NOTE: positions are absolute (the token's index in its own
-        request, counting the cached history), not offsets within this chunk or batch; a prefill chunk
-        starting at token 512 of its prompt uses positions 512, 513, ... Each must be below
-        config.max_position_embeddings. Returns hidden states (T, C) after the final norm.
+        x: (T,) int64 token ids on the first stage (a whole model is one), else (T, C) the previous stage's
+        output. positions: (T,) int64. NOTE: positions are absolute (the token's index in its own request,
+        counting the cached history), not offsets within this chunk or batch; a prefill chunk starting at
+        token 512 of its prompt uses positions 512, 513, ... Each must be below
+        config.max_position_embeddings. Returns (T, C): hidden states after the final norm on the last
+        stage, else the residual stream to hand on.
         kernels: the module whose add_rmsnorm / rope_ / silu_and_mul run the layers' elementwise work (the
         attention backend's `kernels`: stallfree.engine.kernels.fused's Triton kernels on CUDA, .cpu_fused's
         C++ ones on the CPU), or None for plain torch ops (the reference path).
+        paged_rows: what the attention backend offers a model that stores and attends by itself
+        (AttentionBackend.paged_rows: the cpu backend's caches and per-row tables); a model packed for the
+        CPU then runs its layers in one C++ call (cpu_stack), else it is not needed.
         """
-        x = self.model.embed_tokens(input_ids)  # (T, C)
-        rows = getattr(attn, "paged_rows", None)  # the cpu backend's every-row paged attention
-        if self.cpu_stack is not None and rows is not None and x.dtype == torch.bfloat16:
-            return self.cpu_stack(x, positions, rows)  # the fused path below, bit for bit, from C++
+        if self.first_stage:
+            x = self.model.embed_tokens(x)  # (T, C)
+        if self.cpu_stack is not None and paged_rows is not None and x.dtype == torch.bfloat16:
+            return self.cpu_stack(x, positions, paged_rows)  # the fused path below, bit for bit, from C++
         if kernels is not None:
-            residual = None
-            for layer in self.model.layers:
-                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn, kernels)
-            return kernels.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)[0]
+            out, residual = self.segment(0, x, None, positions, kernels)
+            for s in range(1, self.num_layers + 1):
+                attn_layer = self.model.layers[s - 1].self_attn
+                h = attn(attn_layer.layer_idx, *attn_layer.split_qkv(out))  # (T, nh, hd)
+                out, residual = self.segment(s, h, residual, positions, kernels)
+            return out
         cos, sin = self.rotary(positions)  # (T, 1, hd/2) each, float32, shared by all layers
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # cast once, not per layer
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+        return self.model.norm(x) if self.last_stage else x
 
-    def parts(self) -> StageParts:
-        return StageParts(self.model.embed_tokens, self.model.layers, self.model.norm, self.rotary)
+    def segment(
+        self, s: int, h: Tensor, residual: Tensor | None, positions: Tensor, kernels: ModuleType
+    ) -> tuple[Tensor, Tensor | None]:
+        """Piece s (0 .. L, L = num_layers) of the fused forward, the work between two attentions.
+
+        s = 0 takes the stage's input h (T, C) (embedded on the first stage), residual None; s > 0 takes
+        layer s - 1's attention output h (T, nh, hd) and runs its o_proj, add+RMSNorm and MLP. s < L then
+        runs layer s up to its attention and returns (its rotated fused qkv (T, (nh + 2 nkv) hd), the
+        residual stream (T, C)); s = L returns (the final norm's output on the last stage, else the residual
+        stream whole, (T, C); None). The eager forward runs the pieces with attention between them; the
+        piecewise CUDA graphs capture one graph per piece.
+        """
+        layers, x = self.model.layers, h
+        if s > 0:
+            x, residual = layers[s - 1].post_attention(h, residual, kernels)
+        if s < len(layers):
+            return layers[s].pre_attention(x, residual, positions, self.rotary, kernels)
+        assert residual is not None
+        if not self.last_stage:
+            return x + residual, None  # NOTE: the next stage takes the residual stream whole
+        norm = self.model.norm
+        return kernels.add_rmsnorm(x, residual, norm.weight, norm.eps)[0], None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """(N, C) hidden states -> (N, vocab) float32 logits."""

@@ -159,12 +159,27 @@ def shard_mlp(mlp: LlamaMLP, tp: int, rank: int, comm: Collective) -> None:
     mlp.intermediate_size = hi - lo
 
 
+class GatheredLogits(nn.Module):
+    """The LM head of a vocabulary-parallel model: (N, C) hidden -> (N, vocab) float32 logits of the whole
+    vocabulary, this rank's rows projected and the ranks' shards gathered."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, comm: Collective) -> None:
+        super().__init__()
+        self.weight = weight  # (V / T, C): the sharded embedding's (tied) or lm_head's rows
+        self.vocab_size, self.comm = vocab_size, comm
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        part = F.linear(hidden, self.weight).float()  # (N, V / T)
+        return self.comm.all_gather_last(part)[:, : self.vocab_size]
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, tp: int, rank: int, comm: Collective) -> None:
     """Cut every tensor-parallel layer of `model` down to rank `rank`'s share, in place.
 
     Norms and the rotary tables stay replicated. With tied embeddings the vocabulary-parallel embedding is
-    also the LM head; an untied lm_head is cut by the same vocabulary rows.
+    also the LM head; an untied lm_head is cut by the same vocabulary rows. compute_logits then gathers the
+    logits of the whole vocabulary (GatheredLogits).
     """
     cfg = model.config
     for layer in model.model.layers:
@@ -176,9 +191,5 @@ def shard_model(model: LlamaForCausalLM, tp: int, rank: int, comm: Collective) -
         new = nn.Linear(cfg.hidden_size, head.shard, bias=False, device="meta")
         new.weight = head.weight
         model.lm_head = new
-
-
-def gather_logits(model: LlamaForCausalLM, hidden: Tensor, comm: Collective) -> Tensor:
-    """(N, C) hidden -> (N, vocab) float32 logits of the whole vocabulary, from vocabulary shards."""
-    part = model.compute_logits(hidden)  # (N, V / T) float32
-    return comm.all_gather_last(part)[:, : model.config.vocab_size]
+    weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.logits_proj = GatheredLogits(weight, cfg.vocab_size, comm)

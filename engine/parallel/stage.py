@@ -1,15 +1,17 @@
-"""One pipeline stage of a (possibly tensor-parallel) Llama model, and how layers are split into stages."""
+"""One pipeline stage of a (possibly tensor-parallel) Llama model, and how layers are split into stages.
+
+A stage is the model class itself (LlamaForCausalLM, cut down by `keep_layers`): the same forward, the same
+CUDA graphs, with first-stage and last-stage roles.
+"""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from stallfree.engine.model.config import LlamaConfig
-from stallfree.engine.model.llama import AttentionFn, LlamaForCausalLM, StageParts
-from stallfree.engine.parallel.layers import Collective, NoCollective, gather_logits, shard_model, split_range
+from stallfree.engine.model.llama import LlamaForCausalLM
+from stallfree.engine.parallel.layers import Collective, NoCollective, shard_model, split_range
 
 
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> tuple[int, int]:
@@ -17,59 +19,6 @@ def stage_layers(num_layers: int, pp_size: int, stage: int) -> tuple[int, int]:
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
     return split_range(num_layers, pp_size, stage)
-
-
-class StageModel(nn.Module):
-    """Layers [first, last) of the model on one rank; the first stage embeds, the last one norms and
-    projects logits (gathered over the tensor-parallel group)."""
-
-    def __init__(self, model: LlamaForCausalLM, pp_size: int, stage: int, comm: Collective) -> None:
-        super().__init__()
-        cfg = model.config
-        self.config = cfg
-        self.first, self.last = stage == 0, stage == pp_size - 1
-        lo, hi = stage_layers(cfg.num_layers, pp_size, stage)
-        self.layer_range = (lo, hi)
-        self.layers = nn.ModuleList(model.model.layers[lo:hi])
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.layer_idx = (
-                i  # NOTE: index into this rank's KV cache, which holds only these layers
-            )
-        self.embed_tokens = model.model.embed_tokens if self.first else None
-        self.norm = model.model.norm if self.last else None
-        self.full = model  # compute_logits reads the (sharded) embedding / lm_head through it
-        self.rotary = model.rotary
-        self.comm = comm
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def forward(
-        self, x: Tensor, positions: Tensor, attn: AttentionFn, kernels: ModuleType | None = None
-    ) -> Tensor:
-        """x: (T,) int64 ids on the first stage, else (T, C) hidden states from the previous stage.
-        kernels: the attention backend's fused elementwise ops, or None for plain torch ops."""
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(x)  # (T, C)
-        if kernels is not None:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer.forward_fused(x, residual, positions, self.rotary, attn, kernels)
-            if self.norm is None:
-                return x + residual  # NOTE: the next stage takes the residual stream whole
-            return kernels.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
-        cos, sin = self.rotary(positions)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return x if self.norm is None else self.norm(x)
-
-    def parts(self) -> StageParts:
-        return StageParts(self.embed_tokens, self.layers, self.norm, self.rotary)
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        return gather_logits(self.full, hidden, self.comm)
 
 
 def build_stage(
@@ -83,8 +32,9 @@ def build_stage(
     comm: Collective | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> StageModel:
-    """This rank's share of the model, from the full model's state dict (no random initialisation).
+) -> LlamaForCausalLM:
+    """This rank's share of the model, from the full model's state dict (no random initialisation): the
+    model class with layers [first, last) of stage `stage`, sharded for tensor rank `tp_rank` of `tp_size`.
 
     Tensors that already match dtype/device are used as they are (shared memory from the leader stays
     shared until the slicing copies this rank's part).
@@ -107,9 +57,7 @@ def build_stage(
     if set(missing) - set(outside):
         raise ValueError(f"the weights lack {sorted(set(missing) - set(outside))[:5]}")
     model.rotary = RotaryEmbedding(config, device=device)
+    model.keep_layers(lo, hi, first_stage=stage == 0, last_stage=stage == pp_size - 1)
     if tp_size > 1:
-        layers = model.model.layers
-        model.model.layers = nn.ModuleList(layers[lo:hi])  # shard only what this stage keeps
-        shard_model(model, tp_size, tp_rank, comm)
-        model.model.layers = nn.ModuleList(list(layers[:lo]) + list(model.model.layers) + list(layers[hi:]))
-    return StageModel(model.eval(), pp_size, stage, comm)
+        shard_model(model, tp_size, tp_rank, comm)  # only what this stage keeps
+    return model.eval()

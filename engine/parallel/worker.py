@@ -32,9 +32,10 @@ from torch import Tensor
 from stallfree.engine.attention import make_backend
 from stallfree.engine.executor import KVShape, kv_cache_blocks
 from stallfree.engine.model.config import LlamaConfig
+from stallfree.engine.model.llama import LlamaForCausalLM
 from stallfree.engine.model_runner import GraphConfig, ModelRunner
 from stallfree.engine.parallel.layers import Collective, NoCollective, head_shard
-from stallfree.engine.parallel.stage import StageModel, build_stage
+from stallfree.engine.parallel.stage import build_stage
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,11 @@ def _init_distributed(init: WorkerInit) -> Collective:
 class PipeLink:
     """A stage's hand-offs: hidden states from the previous stage (same tensor rank) and to the next one."""
 
-    def __init__(self, init: WorkerInit, stage: StageModel, device: torch.device) -> None:
+    def __init__(self, init: WorkerInit, stage: LlamaForCausalLM, device: torch.device) -> None:
         self.init, self.device = init, device
-        self.last = stage.last
-        self.prev = init.rank - init.tp_size if not stage.first else None
-        self.next = init.rank + init.tp_size if not stage.last else None
+        self.last = stage.last_stage
+        self.prev = init.rank - init.tp_size if not stage.first_stage else None
+        self.next = init.rank + init.tp_size if not stage.last_stage else None
         self._pending_send: tuple[object, Tensor] | None = None
 
     def receive(self, num_tokens: int) -> Tensor | None:
@@ -139,12 +140,12 @@ class StageWorker:
     """Runs micro-batches through this rank's stage with the one model runner; the sampling rank returns
     the sampled tokens."""
 
-    def __init__(self, init: WorkerInit, stage: StageModel, device: torch.device) -> None:
+    def __init__(self, init: WorkerInit, stage: LlamaForCausalLM, device: torch.device) -> None:
         self.init, self.stage, self.device = init, stage, device
         cfg = init.model_config
         hs = head_shard(cfg.num_heads, cfg.num_kv_heads, init.tp_size, init.tp_rank)
         self.num_heads, self.num_kv_heads = len(hs.q_heads), len(hs.kv_heads)
-        self.samples = stage.last and init.tp_rank == 0
+        self.samples = stage.last_stage and init.tp_rank == 0
         # this rank's cache: its stage's layers, its shard's KV heads
         self.kv_shape = KVShape(
             stage.num_layers, self.num_kv_heads, cfg.head_dim, init.block_size, init.dtype
@@ -180,7 +181,7 @@ class StageWorker:
         out = self.runner.execute(sched)
         t1 = t0 + out.time_prepare
         tc = t1 + out.time_forward
-        if not self.stage.last:
+        if not self.stage.last_stage:
             self.records.append((mb, sched.num_tokens, t0, t1, tc, time.monotonic()))
             return None
         t3 = tc + out.time_sample

@@ -8,7 +8,8 @@
 
 Issue 42's, as behaviour: one engine step over either executor (in process, or worker ranks: at T = P = 1
 and with pipeline stages the engine is an LLMEngine whose `step` drives a ParallelExecutor, and answers as
-the in-process one does), and one KV sizing rule for the engine and the ranks.
+the in-process one does), one KV sizing rule for the engine and the ranks, and one model forward (a pipeline
+stage is the model class with first/last roles, which the CUDA graphs' classes take as they take a model).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ import torch
 from cuda_helpers import TINY
 
 from stallfree.engine import SamplingParams
+from stallfree.engine.attention import KVCache, make_backend
 from stallfree.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from stallfree.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from stallfree.engine.engine import LLMEngine, create_engine
 from stallfree.engine.executor import CPU_KV_CACHE_BYTES, InProcessExecutor, KVShape, kv_cache_blocks
 from stallfree.engine.model.dummy import build_dummy_model, synthetic_tokenizer
+from stallfree.engine.model.llama import LlamaForCausalLM
 from stallfree.engine.model.loader import LoadedModel
 from stallfree.engine.parallel.executor import ParallelExecutor
+from stallfree.engine.parallel.stage import build_stage
 
 REPO = Path(__file__).parents[2]
 ENGINE = REPO / "engine"
@@ -193,3 +198,36 @@ def test_the_engine_and_every_rank_size_the_kv_cache_by_one_rule() -> None:
     half = KVShape(TINY.num_layers // 2, TINY.num_kv_heads, TINY.head_dim, 16, torch.float32)
     assert kv_cache_blocks(half, cpu, 2**20) == 2 * engine.num_kv_blocks
     assert kv_cache_blocks(whole, cpu, None) == CPU_KV_CACHE_BYTES // whole.block_bytes  # the CPU's default
+
+
+# ---- one model forward (issue 42) ---------------------------------------------------------------------------
+def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Exact attention over one sequence without a cache; query head h reads KV head h // group."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )
+    return o.transpose(0, 1)
+
+
+def test_a_pipeline_stage_is_the_model_class() -> None:
+    """build_stage gives LlamaForCausalLM itself, cut to its layers, with first/last roles; chained, the stages
+    compute exactly the whole model's forward; the CUDA graphs' classes take a stage as they take a model (a
+    later stage's graphs read hidden states, an earlier one's end in them)."""
+    full = _tiny().model
+    stages = [build_stage(TINY, full.state_dict(), tp_size=1, tp_rank=0, pp_size=2, stage=s) for s in (0, 1)]
+    assert all(type(st) is LlamaForCausalLM for st in stages)
+    roles = [(st.first_stage, st.last_stage, st.layer_range) for st in stages]
+    assert roles == [(True, False, (0, 1)), (False, True, (1, 2))]
+    assert [layer.self_attn.layer_idx for st in stages for layer in st.model.layers] == [0, 0]
+    ids, pos = torch.tensor([3, 1, 4, 1, 5, 9, 2]), torch.arange(7)
+    with torch.inference_mode():
+        x = ids
+        for st in stages:
+            x = st(x, pos, _causal)
+        assert torch.equal(x, full(ids, pos, _causal))
+    cache = KVCache(1, 4, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cpu")
+    backend = make_backend("torch", cache, TINY.num_heads, TINY.num_kv_heads, TINY.head_dim)
+    later, earlier = DecodeGraphs(stages[1], backend, [1, 2], 4), PiecewiseGraphs(stages[0], backend, [32])
+    assert later.x_in is not None and later.last and earlier.x_in is None and earlier.num_layers == 1
