@@ -6,8 +6,9 @@ same kernel calls, with the same arguments in the same order, from C++, so its o
 bit for bit (tests/engine/test_cpu_stack.py holds that) and only the glue goes.
 
 It runs when the model was packed for the CPU (`pack_for_cpu`: every linear a PackedLinear on the C++
-kernels), has no per-head q/k norms (Qwen3 keeps the Python path), and the attention the runner binds is
-the cpu backend's every-row paged kernel, which then carries its caches and tables as `PagedRows`.
+kernels), has no per-head q/k norms (Qwen3 keeps the Python path), and the runner's attention backend offers
+its caches and every row's table as `PagedRows` (AttentionBackend.paged_rows: the cpu backend's every-row
+paged kernel), which the runner hands to the model's forward.
 """
 
 from __future__ import annotations
