@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stallfree.engine.attention.registry import check_name as check_attention_backend
+
 POLICIES = ("sarathi", "vllm", "orca", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "int8", "int4")  # CPU weight-only (stallfree.engine.model.cpu_linear)
 
@@ -170,7 +171,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
-    attention_backend: str = "auto"  # auto, torch, cpu, triton, flashinfer (attention.registry)
+    attention_backend: str = "auto"  # auto or a name of stallfree.engine.attention.registry's BACKENDS
     cuda_graphs: bool = True  # CUDA: replay decode iterations from graphs captured at start-up
     # CUDA: hybrid/prefill iterations up to this many tokens replay piecewise graphs (0 = always eager)
     max_graph_tokens: int = 1024
@@ -188,10 +189,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
+        check_attention_backend(self.attention_backend)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"

@@ -15,7 +15,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from stallfree.engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS
+from stallfree.engine.attention.registry import BACKENDS
+from stallfree.engine.config import DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS
 from stallfree.engine.server.tool_calls.parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "send as `model`; the first is the one responses and metrics carry (default: the model "
                    "folder's or file's name)")  # fmt: skip
     m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="auto: on CUDA the "
+    m.add_argument("--attention-backend", choices=("auto", *BACKENDS), default="auto", help="auto: on CUDA the "
                    "Triton kernels in bf16/fp16 and torch in fp32; on the CPU the C++ kernels (cpu, built once "
                    "per machine with g++, ~20 s), or torch without a compiler; flashinfer needs nvcc at first "
                    "use (docs/gpu.md)")  # fmt: skip

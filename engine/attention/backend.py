@@ -3,9 +3,11 @@
 A backend owns nothing but its view of the KV cache and whatever its kernels need between iterations
 (workspaces, plans). Per iteration the runner hands it the one common `DeviceBatch`; the backend builds
 its own metadata from it (`build_metadata`) and binds that into the function the model calls once per layer
-(`bind`). It also says, as class attributes, what the runner should do around it: which fused elementwise
-kernels the model runs with, whether it can be replayed inside CUDA graphs, whether its kernels compile on
-first use (a warm-up batch before the engine reports ready), and whether sampling stays on the device.
+(`bind`). It describes itself in class attributes that the registry reads before building one: the
+devices and dtypes it runs, those in which `auto` may choose it, and whether this machine has its kernels.
+It also says what the runner should do around it: which fused elementwise kernels the model runs with,
+whether it can be replayed inside CUDA graphs, whether its kernels compile on first use (a warm-up batch
+before the engine reports ready), and whether sampling stays on the device.
 
 NOTE: the causal rule is bottom-right aligned: query i of a chunk that starts at absolute position s sees
 keys at positions 0 .. s + i. That is what makes a chunked prefill compute the same thing as a one-shot one.
@@ -24,11 +26,19 @@ from stallfree.engine.attention.kv_cache import KVCache
 from stallfree.engine.model.cpu_stack import PagedRows
 from stallfree.engine.model.llama import AttentionFn
 
+FLOAT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
 
 class AttentionBackend:
     """Attention over the paged KV cache for one model shard (heads of this rank)."""
 
     name: ClassVar[str]
+    # What the registry reads before it builds one (registry.py loops over the classes; nothing asks for a
+    # backend by name): the device types it runs on, the dtypes its kernels take, and the dtypes in which
+    # `auto` may choose it on those devices (empty: only when asked for by name).
+    devices: ClassVar[frozenset[str]] = frozenset()
+    dtypes: ClassVar[frozenset[torch.dtype]] = FLOAT_DTYPES
+    auto_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
     # Whether decode iterations (and the layers between attentions) may be captured in CUDA graphs: the
     # backend then implements `decode_fn` and `splits`, and `bind(..., store=False)`.
     supports_graphs: ClassVar[bool] = False
@@ -36,6 +46,24 @@ class AttentionBackend:
     compiles_kernels: ClassVar[bool] = False
     # Whether the runner samples on the device in one batch (GpuSampler) rather than row by row.
     samples_on_device: ClassVar[bool] = False
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run on `device` in `dtype` (a short reason), or None when it can."""
+        if device.type not in cls.devices:
+            where = " or ".join(
+                "a CUDA device" if d == "cuda" else f"the {d.upper()}" for d in sorted(cls.devices)
+            )
+            return f"the {cls.name} attention backend needs {where}"
+        if dtype not in cls.dtypes:
+            return f"the {cls.name} attention backend has no {str(dtype).removeprefix('torch.')} kernels"
+        return None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this machine cannot build the kernels (a package or a compiler missing), or None. Only
+        `auto` asks: a backend asked for by name fails at construction, with the full error."""
+        return None
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.cache = cache

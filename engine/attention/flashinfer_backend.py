@@ -3,6 +3,7 @@ iteration from the host batch. It has no float32 kernels and does not run inside
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 import numpy as np
@@ -20,8 +21,14 @@ class FlashInferBackend(AttentionBackend):
     kernel, both planned once per iteration from host arrays (nothing is read back from the GPU to plan)."""
 
     name = "flashinfer"
+    devices = frozenset({"cuda"})
+    dtypes = frozenset({torch.bfloat16, torch.float16})  # no float32 kernels; `auto` never picks it
     compiles_kernels = True
     samples_on_device = True
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None if importlib.util.find_spec("flashinfer") else "flashinfer is not installed"
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         import flashinfer  # noqa: PLC0415 - optional, CUDA only

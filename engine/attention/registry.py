@@ -1,78 +1,89 @@
-"""The one place where an attention backend is chosen: its name, the `auto` rules, and the checks that a
-named backend can run on this device and dtype.
+"""The one place where an attention backend is chosen: the backends' names, and `auto`.
 
-Everything else asks the backend object what it does (its kernels, graph support, sampling) instead of
-branching on its name.
+Each backend class describes itself (backend.py: the devices and dtypes it runs, the dtypes in which `auto`
+may choose it, whether this machine has its kernels); the registry only lists the classes, in the order
+`auto` tries them, and loops over them. Everything else asks the backend object what it does (its kernels,
+graph support, sampling) instead of branching on its name.
+
+NOTE: importing this module imports no torch (the engine's config takes the names from here, and
+`stallfree serve --help` stays instant); a class is imported when it is first asked about.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from stallfree.engine.attention.backend import AttentionBackend
-from stallfree.engine.attention.kv_cache import KVCache
+    from stallfree.engine.attention.backend import AttentionBackend
+    from stallfree.engine.attention.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# name -> (module, class); imported on first use, so a machine without triton or flashinfer never loads them
-BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("stallfree.engine.attention.torch_backend", "TorchBackend"),
-    "cpu": ("stallfree.engine.attention.torch_backend", "CpuBackend"),
-    "triton": ("stallfree.engine.attention.triton_backend", "TritonBackend"),
-    "flashinfer": ("stallfree.engine.attention.flashinfer_backend", "FlashInferBackend"),
+# name -> "module:Class", in the order `auto` tries them: the first that runs on the device, that `auto` may
+# choose in the dtype (its auto_dtypes) and whose kernels this machine has.
+BACKENDS: dict[str, str] = {
+    "cpu": "stallfree.engine.attention.cpu_backend:CpuBackend",
+    "triton": "stallfree.engine.attention.triton_backend:TritonBackend",
+    "torch": "stallfree.engine.attention.torch_backend:TorchBackend",
+    "flashinfer": "stallfree.engine.attention.flashinfer_backend:FlashInferBackend",
 }
 # What `auto` falls back to when the backend it chose cannot build its kernels (the engine says so, once).
 FALLBACK = "torch"
 
 
-def backend_class(name: str) -> type[AttentionBackend]:
-    if name not in BACKENDS:
+def check_name(name: str) -> None:
+    """ValueError unless `name` is auto or a registered backend."""
+    if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name]
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    check_name(name)
+    module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend `name` stands for on this device and dtype; ValueError for impossible combinations.
 
-    auto: on CUDA in bf16/fp16 the Triton kernels (they need no nvcc and compile in seconds); in fp32 the
-    torch backend (exact; FlashInfer has no fp32 kernels); on the CPU the C++ kernels (`cpu`), or the
-    torch backend where they cannot be built (no compiler), with one warning.
+    auto: the first backend in BACKENDS' order that runs on the device, that `auto` may choose in this dtype
+    and whose kernels this machine has (one warning for each one it passes over for want of them). Today
+    that is: on the CPU the C++ kernels (cpu), or torch where they cannot be built (no compiler); on CUDA in
+    bf16/fp16 the Triton kernels, or torch without triton; on CUDA in fp32 torch (exact; flashinfer has no
+    fp32 kernels and is chosen by name only).
     """
+    check_name(name)
     if name == "auto":
         return _auto(device, dtype)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
-        return name  # Triton's interpreter runs the kernels on CPU tensors: slow, for tests of the CUDA path
-    if name in ("triton", "flashinfer") and device.type != "cuda":
-        raise ValueError(f"the {name} attention backend needs a CUDA device; use attention_backend='torch'")
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError("the cpu attention backend runs on the CPU only; use auto, triton or torch on CUDA")
-    if name == "flashinfer" and dtype == torch.float32:
-        raise ValueError(
-            "FlashInfer has no float32 kernels: use dtype bfloat16/float16 or attention_backend='torch'"
-        )
+    why = backend_class(name).unsupported(device, dtype)
+    if why is not None:
+        raise ValueError(f"{why}: {_alternatives(device, dtype)}")
     return name
 
 
 def _auto(device: torch.device, dtype: torch.dtype) -> str:
-    if device.type == "cpu":
-        from stallfree.engine.kernels.cpu_fused import available  # noqa: PLC0415
+    for name in BACKENDS:
+        cls = backend_class(name)
+        if device.type not in cls.devices or dtype not in cls.auto_dtypes:
+            continue
+        why = cls.unavailable()
+        if why is None:
+            return name
+        logger.warning("the %s attention backend is not available (%s); trying the next", name, why)
+    raise ValueError(f"no attention backend runs on {device.type} in {dtype}")
 
-        return "cpu" if available() else "torch"  # available() says why not, once
-    if device.type != "cuda" or dtype == torch.float32:
-        return "torch"
-    from stallfree.engine.kernels.fused import triton_available  # noqa: PLC0415
 
-    if triton_available():
-        return "triton"
-    logger.warning("triton is not installed: the torch attention backend runs on CUDA (slower)")
-    return "torch"
+def _alternatives(device: torch.device, dtype: torch.dtype) -> str:
+    """What the user could ask for instead, on this device and dtype."""
+    fits = [n for n in BACKENDS if backend_class(n).unsupported(device, dtype) is None]
+    dt = str(dtype).removeprefix("torch.")
+    if not fits:
+        return f"no attention backend runs on {device.type} in {dt}"
+    return f"on {device.type} in {dt} use attention_backend auto or {', '.join(fits)}"
 
 
 def make_backend(

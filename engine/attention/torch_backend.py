@@ -1,30 +1,23 @@
-"""The torch backend (plain torch, the reference on any device) and the cpu backend (the same, with the
-C++ kernels of stallfree.engine.kernels.cpu_fused for the KV store, the layers' elementwise work and the
-decodes).
+"""The torch backend: exact attention in plain torch, the reference on any device.
 
 GQA without repeating K/V: decodes (in padded groups, see stallfree.engine.decode_groups) and prefill chunks
-both use SDPA's enable_gqa, which shares each KV head across its query heads. The cpu backend sends EVERY
-row, decodes and prefill-chunk tokens alike, through its paged kernel instead, each row reading its request's
-pages in place over the keys its position sees. NOTE: same request, same answer: a row at position p is then
-attended by the same code over the same p + 1 keys whether it is a decode, a token of a chunk (any split) or
-follows a prefix-cache hit (SDPA's blocked softmax over a chunk rounds differently from a decode's).
+both use SDPA's enable_gqa, which shares each KV head across its query heads. (The cpu backend, in
+cpu_backend.py, sends every row through its C++ paged kernel instead.)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stallfree.engine.attention.backend import AttentionBackend
+from stallfree.engine.attention.backend import FLOAT_DTYPES, AttentionBackend
 from stallfree.engine.attention.batch import DeviceBatch
 from stallfree.engine.attention.kv_cache import KVCache
 from stallfree.engine.decode_groups import decode_groups
-from stallfree.engine.model.cpu_stack import PagedRows
 from stallfree.engine.model.llama import AttentionFn
 
 
@@ -49,20 +42,14 @@ class DecodeGroup:
 class TorchMetadata:
     slot_mapping: torch.Tensor  # (T,) int64  cache slot where each new token's k/v goes
     num_decodes: int
-    # Decodes in a few padded groups (none when the paged kernel takes them), prefill chunks one by one.
-    decode_groups: tuple[DecodeGroup, ...]
-    prefills: tuple[PrefillSpan, ...]
-    # For the cpu backend's paged kernel, which then attends for every row (no groups, no spans); else None:
-    decode_tables: torch.Tensor | None = None  # (T, max pages) int32  each row's request's blocks, 0-padded
-    decode_lens: torch.Tensor | None = None  # (T,) int32  keys each row sees: its position + 1
+    decode_groups: tuple[DecodeGroup, ...]  # decodes in a few padded groups
+    prefills: tuple[PrefillSpan, ...]  # prefill chunks one by one
 
 
-def torch_metadata(batch: DeviceBatch, block_size: int, paged_rows: bool = False) -> TorchMetadata:
+def torch_metadata(batch: DeviceBatch, block_size: int) -> TorchMetadata:
     """The torch backend's view of the common batch: prefill spans over their history slots and the decodes
-    in padded groups, or (paged_rows: the cpu backend) every row by its request's block table and key count."""
+    in padded groups."""
     hb, device = batch.host, batch.slot_mapping.device
-    if paged_rows:
-        return _paged_rows(batch)
     off = hb.prefill_hist_offsets.tolist()
     prefills = tuple(
         PrefillSpan(int(s), int(n), int(c), batch.prefill_hist_slots[off[i] : off[i + 1]])
@@ -88,25 +75,12 @@ def torch_metadata(batch: DeviceBatch, block_size: int, paged_rows: bool = False
     return TorchMetadata(batch.slot_mapping, hb.num_decodes, tuple(groups), prefills)
 
 
-def _paged_rows(batch: DeviceBatch) -> TorchMetadata:
-    """Every row (decodes first, then the chunks' tokens) by its request's block table and its key count."""
-    hb, device = batch.host, batch.slot_mapping.device
-    nd, dt, pt = hb.num_decodes, hb.decode_tables, hb.prefill_tables
-    width = max(dt.shape[1] if nd else 1, pt.shape[1] if len(pt) else 1)
-    tables = np.zeros((hb.num_tokens, width), np.int32)  # (T, width)
-    tables[:nd, : dt.shape[1]] = dt[:nd]
-    for start, n, table in zip(hb.prefill_q_starts, hb.prefill_q_lens, pt, strict=True):
-        tables[start : start + n, : len(table)] = table
-    lens = (hb.positions + 1).astype(np.int32)  # NOTE: absolute positions: a row sees keys 0 .. its own
-    return TorchMetadata(
-        batch.slot_mapping, nd, (), (), torch.from_numpy(tables).to(device), torch.from_numpy(lens).to(device)
-    )
-
-
 class TorchBackend(AttentionBackend):
     """Exact attention in plain torch (CPU, and the reference on any device)."""
 
     name = "torch"
+    devices = frozenset({"cpu", "cuda"})
+    auto_dtypes = FLOAT_DTYPES  # what `auto` falls back to anywhere
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(cache, num_heads, num_kv_heads, head_dim)
@@ -114,23 +88,16 @@ class TorchBackend(AttentionBackend):
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def build_metadata(self, batch: DeviceBatch, padded_decodes: int) -> TorchMetadata:
-        return torch_metadata(batch, self.cache.block_size, paged_rows=self.kernels is not None)
+        return torch_metadata(batch, self.cache.block_size)
 
     def bind(self, meta: TorchMetadata, store: bool = True) -> AttentionFn:
-        cache, kernels = self.cache, self.kernels
-        paged = meta.decode_tables is not None  # every row through the kernel (else groups and spans)
+        cache = self.cache
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: (T, H, D); k, v: (T, KVH, D)
             kf, vf = cache.flat(layer)
-            if store and kernels is None:
+            if store:
                 cache.write(layer, meta.slot_mapping, k, v)
-            elif store:
-                kernels.store_kv(k, v, kf, vf, meta.slot_mapping)
-            if paged:  # NOTE: after the store: a chunk's rows see the chunk's earlier keys in the cache
-                return kernels.paged_decode_attention(
-                    q, cache.k[layer], cache.v[layer], meta.decode_tables, meta.decode_lens, self.scale
-                )
             out = torch.empty_like(q)
             for grp in meta.decode_groups:
                 g, n_pages = grp.blocks.shape
@@ -149,15 +116,6 @@ class TorchBackend(AttentionBackend):
             return out
 
         return attend
-
-    def paged_rows(self, meta: TorchMetadata) -> PagedRows | None:
-        """The cpu backend's every-row paged attention, for a packed CPU model's layer stack; else None."""
-        if meta.decode_tables is None or meta.decode_lens is None:
-            return None
-        cache = self.cache
-        return PagedRows(
-            cache.k, cache.v, meta.slot_mapping, meta.decode_tables, meta.decode_lens, self.scale
-        )
 
     def _decode(self, q, keys, vals, mask) -> torch.Tensor:
         # q: (D, H, hd); keys/vals: (D, L, KVH, hd), gathered a whole page at a time; mask (D, L) marks the
@@ -188,20 +146,3 @@ class TorchBackend(AttentionBackend):
                 qq, kk, vv, attn_mask=allowed, scale=self.scale, enable_gqa=True
             )
         return o[0].transpose(0, 1)  # (n, H, hd)
-
-
-class CpuBackend(TorchBackend):
-    """The torch backend with the C++ kernels: KV store, every row's attention from the pages, the layers' elementwise work."""
-
-    name = "cpu"
-
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        from stallfree.engine.kernels import cpu_fused  # noqa: PLC0415 - builds the C++ kernels on first use
-
-        cpu_fused.load()  # raises here, at start-up, when the kernels cannot be built
-        super().__init__(cache, num_heads, num_kv_heads, head_dim)
-        self._kernels = cpu_fused
-
-    @property
-    def kernels(self) -> ModuleType:
-        return self._kernels

@@ -11,6 +11,7 @@ go through the Triton paged prefill kernel. It never synchronises with the host.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -22,7 +23,6 @@ from stallfree.engine.attention.backend import AttentionBackend
 from stallfree.engine.attention.batch import DeviceBatch
 from stallfree.engine.attention.kv_cache import KVCache
 from stallfree.engine.kernels import fused
-from stallfree.engine.kernels.paged_attention import decode_splits, paged_decode, paged_prefill
 from stallfree.engine.model.llama import AttentionFn
 
 logger = logging.getLogger(__name__)
@@ -43,14 +43,31 @@ class TritonBackend(AttentionBackend):
     """Paged decode and prefill kernels of stallfree.engine.kernels.paged_attention."""
 
     name = "triton"
+    devices = frozenset({"cuda"})
+    # `auto` takes the torch backend in fp32 (exact); the Triton paged kernels run fp32 when asked by name.
+    auto_dtypes = frozenset({torch.bfloat16, torch.float16})
     supports_graphs = True
     compiles_kernels = True
     samples_on_device = True
 
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        # Triton's interpreter runs the kernels on CPU tensors: slow, for tests of the CUDA path.
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return super().unsupported(device, dtype)
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None if fused.triton_available() else "triton is not installed"
+
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from stallfree.engine.kernels import paged_attention  # noqa: PLC0415 - imports triton
+
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16, got {head_dim}")
         super().__init__(cache, num_heads, num_kv_heads, head_dim)
+        self._paged = paged_attention
         dev = cache.k[0].device
         # Off CUDA (Triton's interpreter, in tests) a nominal 4 SMs keeps the split counts small.
         self.num_sms = (
@@ -62,7 +79,7 @@ class TritonBackend(AttentionBackend):
         return fused
 
     def splits(self, padded_batch: int) -> int:
-        return decode_splits(padded_batch, self.num_kv_heads, self.num_sms)
+        return self._paged.decode_splits(padded_batch, self.num_kv_heads, self.num_sms)
 
     def build_metadata(self, batch: DeviceBatch, padded_decodes: int) -> TritonMetadata:
         # NOTE: split-KV counts depend on the padded batch size only, so graphs and eager agree.
@@ -72,7 +89,7 @@ class TritonBackend(AttentionBackend):
         self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, splits: int
     ) -> AttentionFn:
         """The attention of a decode-only batch (what the CUDA graphs capture)."""
-        cache = self.cache
+        cache, paged_decode = self.cache, self._paged.paged_decode
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             store_kv(cache, layer, slots, k, v)
@@ -98,7 +115,9 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, nh, hd)
         if D:
             kc, vc = cache.k[layer], cache.v[layer]
-            paged_decode(q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], meta.decode_splits)
+            self._paged.paged_decode(
+                q[:D], kc, vc, batch.decode_tables, batch.decode_lens, out[:D], meta.decode_splits
+            )
         return out
 
     def _bind_flash(self, meta: TritonMetadata, store: bool) -> AttentionFn:
@@ -148,7 +167,7 @@ class TritonBackend(AttentionBackend):
                 batch.prefill_q_starts, batch.prefill_q_lens, batch.prefill_ctx_lens, batch.prefill_tables
             )  # fmt: skip
             max_q = int(host.prefill_q_lens.max())
-        group = self.num_heads // self.num_kv_heads
+        group, paged_prefill = self.num_heads // self.num_kv_heads, self._paged.paged_prefill
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out = self._store_and_decode(meta, store, layer, q, k, v)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_helpers import first_logits_and_greedy, greedy, make_llm, prompt_ids
 
+import stallfree.engine.attention.cpu_backend as cpu_backend_mod
 import stallfree.engine.attention.torch_backend as torch_backend_mod
 import stallfree.engine.model_runner as runner_mod
 
@@ -67,8 +68,8 @@ def _restart_positions(out, block_size):
     return replace(hb, positions=hb.positions - starts)  # every chunk starts at position 0
 
 
-def _chunk_sees_only_itself(batch, block_size, paged_rows=False):
-    meta = ORIG_METADATA(batch, block_size, paged_rows)
+def _chunk_sees_only_itself(batch, block_size):
+    meta = ORIG_METADATA(batch, block_size)
     spans = tuple(
         torch_backend_mod.PrefillSpan(p.q_start, p.q_len, 0, p.kv_slots[p.context_len :])
         for p in meta.prefills
@@ -76,17 +77,14 @@ def _chunk_sees_only_itself(batch, block_size, paged_rows=False):
     return replace(meta, prefills=spans)
 
 
-def _chunk_rows_see_only_themselves(batch, block_size, paged_rows=False):
+def _chunk_rows_see_only_themselves(batch):
     """The cpu backend's rows: each chunk token sees only the chunk's keys (a history cut at its start)."""
-    meta = ORIG_METADATA(batch, block_size, paged_rows)
-    if meta.decode_lens is not None:
-        hb = batch.host
-        starts = np.concatenate(
-            [hb.positions[: hb.num_decodes], np.repeat(hb.prefill_ctx_lens, hb.prefill_q_lens)]
-        )
-        meta.decode_lens.sub_(
-            torch.from_numpy(starts.astype(np.int32))
-        )  # keys 0 .. offset-in-chunk: wrong ones
+    meta = ORIG_CPU_METADATA(batch)
+    hb = batch.host
+    starts = np.concatenate(
+        [hb.positions[: hb.num_decodes], np.repeat(hb.prefill_ctx_lens, hb.prefill_q_lens)]
+    )
+    meta.lens.sub_(torch.from_numpy(starts.astype(np.int32)))  # keys 0 .. offset-in-chunk: wrong ones
     return meta
 
 
@@ -96,6 +94,7 @@ def _sees_the_future(self, q, keys, vals, context_len):
 
 ORIG_HOST_BATCH = runner_mod.host_batch
 ORIG_METADATA = torch_backend_mod.torch_metadata
+ORIG_CPU_METADATA = cpu_backend_mod.cpu_metadata
 ORIG_PREFILL = torch_backend_mod.TorchBackend._prefill
 
 
@@ -104,7 +103,7 @@ ORIG_PREFILL = torch_backend_mod.TorchBackend._prefill
     [
         (runner_mod, "host_batch", _restart_positions),
         (torch_backend_mod, "torch_metadata", _chunk_sees_only_itself),
-        (torch_backend_mod, "torch_metadata", _chunk_rows_see_only_themselves),
+        (cpu_backend_mod, "cpu_metadata", _chunk_rows_see_only_themselves),
         (torch_backend_mod.TorchBackend, "_prefill", _sees_the_future),
     ],
     ids=[

@@ -17,7 +17,7 @@ import pytest
 import torch
 from engine_helpers import LogitRecorder, make_llm, prompt_ids
 
-import stallfree.engine.attention.torch_backend as torch_backend_mod
+import stallfree.engine.attention.cpu_backend as cpu_backend_mod
 from stallfree.engine import SamplingParams
 from stallfree.engine.attention import resolve_attention_backend
 from stallfree.engine.kernels import cpu_fused as K
@@ -163,7 +163,7 @@ def test_paged_decode_attention_refuses_bad_tables():
 def test_auto_picks_the_cpu_kernels_and_falls_back_without_them(monkeypatch, caplog):
     cpu = torch.device("cpu")
     assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "cpu"
-    with pytest.raises(ValueError, match="CPU only"):
+    with pytest.raises(ValueError, match="needs the CPU"):
         resolve_attention_backend("cpu", torch.device("cuda"), torch.bfloat16)
     K.available.cache_clear()
     monkeypatch.setattr(K, "load", lambda: (_ for _ in ()).throw(RuntimeError("no compiler")))
@@ -182,15 +182,14 @@ def _run(loaded, backend, prompts, monkeypatch=None, mutate=False):
     llm = make_llm(loaded, token_budget=48, attention_backend=backend)
     assert llm.engine.executor.runner.backend.name == backend
     if mutate:
-        orig = torch_backend_mod.torch_metadata
+        orig = cpu_backend_mod.cpu_metadata
 
         def short(*a, **kw):
             meta = orig(*a, **kw)
-            if meta.decode_lens is not None:
-                meta.decode_lens.sub_(1).clamp_(min=1)
+            meta.lens.sub_(1).clamp_(min=1)
             return meta
 
-        monkeypatch.setattr(torch_backend_mod, "torch_metadata", short)  # what the backend calls
+        monkeypatch.setattr(cpu_backend_mod, "cpu_metadata", short)  # what the backend calls
     rec = LogitRecorder(llm.engine.executor.runner.model)
     llm.engine.executor.runner.model = rec
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import make_llm, prompt_ids
 
-import stallfree.engine.attention.torch_backend as torch_backend_mod
 from stallfree.engine import SamplingParams
+from stallfree.engine.attention.cpu_backend import CpuBackend
+from stallfree.engine.attention.torch_backend import TorchBackend, torch_metadata
 from stallfree.engine.model.cpu_linear import PackedLinear
 from stallfree.engine.model.loader import load_model
 
@@ -131,20 +132,21 @@ def _linear_switching_by_rows(self, x):
     return ORIG_FORWARD(self, x)
 
 
-def _attention_by_row_kind(batch, block_size, paged_rows=False):
-    """Decodes through padded SDPA groups and chunks through SDPA, as before the one kernel."""
-    return ORIG_METADATA(batch, block_size, False)
+def _attention_by_row_kind(self, meta, store=True):
+    """Decodes through padded SDPA groups and chunks through SDPA, as before the one kernel: the torch
+    backend's attention over the cpu backend's cache (the layers keep the C++ kernels)."""
+    sdpa = TorchBackend(self.cache, self.num_heads, self.num_kv_heads, self.head_dim)
+    return sdpa.bind(torch_metadata(meta.batch, self.cache.block_size), store)
 
 
 ORIG_FORWARD = PackedLinear.forward
-ORIG_METADATA = torch_backend_mod.torch_metadata
 
 
 @pytest.mark.parametrize(
     "target,attr,mutant",
     [
         (PackedLinear, "forward", _linear_switching_by_rows),
-        (torch_backend_mod, "torch_metadata", _attention_by_row_kind),
+        (CpuBackend, "bind", _attention_by_row_kind),
     ],
     ids=["gemm-path-by-row-count", "attention-path-by-row-kind"],
 )

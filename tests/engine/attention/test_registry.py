@@ -1,5 +1,6 @@
-"""The attention-backend registry: one `auto` resolver, clear errors for impossible choices, the fallback,
-and what each backend declares instead of being asked its name."""
+"""The attention-backend registry: the backends describe themselves (devices, dtypes, where `auto` may
+take them, availability), the registry loops over them for `auto`, clear errors for impossible choices, the
+fallback, and what each backend declares instead of being asked its name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from cuda_helpers import TINY
 from stallfree.engine import LLM
 from stallfree.engine.attention import BACKENDS, FALLBACK, backend_class, resolve_attention_backend
 from stallfree.engine.attention import registry as registry_mod
-from stallfree.engine.config import ATTENTION_BACKENDS
+from stallfree.engine.config import EngineConfig
 from stallfree.engine.kernels import cpu_fused
 from stallfree.engine.model.dummy import build_dummy_model, synthetic_tokenizer
 from stallfree.engine.model.loader import LoadedModel
@@ -20,9 +21,35 @@ from stallfree.engine.model.loader import LoadedModel
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def test_the_registry_knows_every_configurable_backend() -> None:
-    assert set(BACKENDS) == set(ATTENTION_BACKENDS) - {"auto"}
-    assert FALLBACK in BACKENDS
+def test_the_registry_names_every_backend_and_the_config_takes_those_names() -> None:
+    assert {backend_class(n).name for n in BACKENDS} == set(BACKENDS) and FALLBACK in BACKENDS
+    for name in ("auto", *BACKENDS):
+        assert EngineConfig(attention_backend=name).attention_backend == name
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'; choose auto, cpu, triton"):
+        EngineConfig(attention_backend="fast")
+
+
+def test_backends_describe_their_devices_and_dtypes() -> None:
+    fp32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
+    declared = {n: (backend_class(n).devices, backend_class(n).auto_dtypes) for n in BACKENDS}
+    assert declared == {
+        "cpu": ({"cpu"}, {fp32, bf16, fp16}),
+        "triton": ({"cuda"}, {bf16, fp16}),
+        "torch": ({"cpu", "cuda"}, {fp32, bf16, fp16}),
+        "flashinfer": ({"cuda"}, set()),  # by name only
+    }
+    assert backend_class("flashinfer").dtypes == {bf16, fp16}
+
+
+def test_auto_takes_the_first_available_backend_in_the_registrys_order(monkeypatch, caplog) -> None:
+    """On CUDA in bf16: triton, or torch (with a warning) where triton is missing."""
+    triton_b = backend_class("triton")
+    monkeypatch.setattr(triton_b, "unavailable", classmethod(lambda cls: None))
+    assert resolve_attention_backend("auto", CUDA, torch.bfloat16) == "triton"
+    monkeypatch.setattr(triton_b, "unavailable", classmethod(lambda cls: "triton is not installed"))
+    with caplog.at_level(logging.WARNING):
+        assert resolve_attention_backend("auto", CUDA, torch.bfloat16) == "torch"
+    assert "the triton attention backend is not available (triton is not installed)" in caplog.text
 
 
 def test_auto_follows_the_products_rules(monkeypatch) -> None:
@@ -38,8 +65,8 @@ def test_auto_follows_the_products_rules(monkeypatch) -> None:
     [
         ("fast", CPU, torch.float32, "unknown attention backend 'fast'"),
         ("flashinfer", CPU, torch.bfloat16, "needs a CUDA device"),
-        ("cpu", CUDA, torch.bfloat16, "runs on the CPU only"),
-        ("flashinfer", CUDA, torch.float32, "no float32 kernels"),
+        ("cpu", CUDA, torch.bfloat16, "needs the CPU: on cuda in bfloat16 use attention_backend auto or"),
+        ("flashinfer", CUDA, torch.float32, "no float32 kernels: .* auto or triton, torch$"),
     ],
 )
 def test_impossible_choices_are_refused_with_a_reason(name, device, dtype, message) -> None:
@@ -82,7 +109,7 @@ def test_the_torch_backend_runs_plain_ops_and_needs_no_warm_up() -> None:
 
 
 def test_auto_falls_back_loudly_when_its_choice_cannot_start(monkeypatch, caplog) -> None:
-    class Broken:
+    class Broken(backend_class("cpu")):  # describes itself as the cpu backend, then cannot start
         def __init__(self, *args) -> None:
             raise RuntimeError("kernel build failed")
 
