@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from stallfree.engine.attention.registry import check_name as check_attention_backend
 
 POLICIES = ("sarathi", "vllm", "orca", "static")
+# `auto` for the dtype and the quantization is resolved once, by stallfree.engine.placement.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("none", "int8", "int4")  # CPU weight-only (stallfree.engine.model.cpu_linear)
@@ -169,6 +170,8 @@ class EngineConfig:
     # "auto": read the weights at `model`; "dummy": random weights of the shape `model` names (a shape in
     # stallfree.engine.model.dummy.SHAPES, or an HF config.json), built on the device (benchmarks).
     load_format: str = "auto"
+    # auto: resolved once by stallfree.engine.placement (one CPU: bfloat16; CPU worker ranks: float32;
+    # CUDA: bfloat16; a loaded model: its own)
     dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
     attention_backend: str = "auto"  # auto or a name of stallfree.engine.attention.registry's BACKENDS
@@ -176,7 +179,8 @@ class EngineConfig:
     # CUDA: hybrid/prefill iterations up to this many tokens replay piecewise graphs (0 = always eager)
     max_graph_tokens: int = 1024
     max_model_len: int | None = None  # None = the model's context length
-    quantization: str = "none"  # CPU, bf16 only: int8 / int4 weight-only linear layers
+    # CPU, bf16 only: int8 / int4 weight-only linear layers; auto: int4 with bf16 on one CPU (placement)
+    quantization: str = "auto"
     threads: int | None = None  # torch CPU threads; None = leave torch's setting (OMP_NUM_THREADS or cores)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # cost_model.json from `stallfree profile`: the prior of the engine's calibrated iteration cost model
@@ -190,11 +194,11 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_attention_backend(self.attention_backend)
-        if self.quantization not in QUANTIZATIONS:
+        if self.quantization not in ("auto", *QUANTIZATIONS):
             raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+                f"quantization must be one of auto, {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
-        if self.quantization != "none" and self.parallel.world_size > 1:
+        if self.quantization not in ("auto", "none") and self.parallel.world_size > 1:
             raise ValueError("quantization runs in the single-process CPU engine only (world size 1)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")

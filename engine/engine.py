@@ -27,6 +27,7 @@ from stallfree.engine.model.loader import LoadedModel, load_model
 from stallfree.engine.model_runner import GraphConfig
 from stallfree.engine.output_processor import OutputProcessor
 from stallfree.engine.outputs import IterationStats, RequestOutput
+from stallfree.engine.placement import resolve_placement
 from stallfree.engine.request import Request, RequestStatus
 from stallfree.engine.sampling_params import SamplingParams
 from stallfree.engine.scheduler import Scheduler, SchedulerOutput
@@ -34,22 +35,9 @@ from stallfree.engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ERROR_EVERY = 16  # iterations between recomputing the cost model's error quantiles (for metrics, stats)
 
 StatsListener = Callable[[IterationStats, list[RequestOutput]], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def resolve_max_model_len(requested: int | None, model_len: int) -> int:
@@ -80,8 +68,15 @@ class LLMEngine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        # What `auto` stands for (device, dtype, quantization): the same rules as `stallfree serve`'s.
+        self.placement = resolve_placement(
+            config.device,
+            config.dtype,
+            config.quantization,
+            world_size=config.parallel.world_size,
+            loaded=loaded,
+        )
+        self.device, self.dtype = self.placement.device, self.placement.dtype
         executor_class = executor_class or executor_class_for(config)
         # NOTE: with worker ranks the leader keeps the full weights on the CPU; each rank copies its slices.
         load_device = torch.device("cpu") if executor_class.weights_on_host else self.device
@@ -92,7 +87,7 @@ class LLMEngine:
             load_format=config.load_format,
             seed=config.seed,
             max_model_len=config.max_model_len,
-            quantization=config.quantization,
+            quantization=self.placement.quantization,
         )
         mc = self.loaded.config
         self.model_config = mc
@@ -133,7 +128,7 @@ class LLMEngine:
             self.loaded.name,
             self.device,
             self.dtype,
-            config.quantization,
+            self.placement.quantization,
             torch.get_num_threads(),
             sched_cfg.policy,
             sched_cfg.tunables.token_budget,

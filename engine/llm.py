@@ -40,9 +40,13 @@ class LLM:
     stallfree.engine.kernels.cpu_fused, or torch where they cannot be built), torch (the plain-torch
     reference), cpu, triton or flashinfer. enforce_eager=True runs CUDA decode iterations without CUDA graphs (as vLLM's).
     enable_prefix_caching (default True) reuses the K/V of full blocks shared with earlier prompts.
-    On the CPU, dtype="bfloat16" runs every linear layer through one row-invariant C++ GEMM, with bf16 or
-    (quantization="int4"/"int8") weight-only quantized weights (docs/engine.md measures each against fp32);
-    threads sets torch's CPU threads.
+    device, dtype and quantization "auto" resolve as `stallfree serve` resolves them
+    (stallfree.engine.placement), so both give the same answer for the same model and prompt: the device is
+    cuda when available, else cpu; on CUDA bfloat16; in one CPU process bfloat16 with int4 weights, on CPU
+    worker ranks float32; with loaded_model, its own dtype. dtype="float32" is the exact reference. On the
+    CPU, bfloat16 runs every linear layer through one row-invariant C++ GEMM, with bf16 (quantization="none")
+    or int4/int8 weight-only quantized weights (docs/engine.md measures each against fp32); threads sets
+    torch's CPU threads.
     """
 
     def __init__(
@@ -70,7 +74,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
-        quantization: str = "none",
+        quantization: str = "auto",
         threads: int | None = None,
     ) -> None:
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:

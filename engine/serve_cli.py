@@ -109,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "~/.cache/stallfree/models or $STALLFREE_DOWNLOAD_DIR)")  # fmt: skip
     add_load_format_args(m)
     m.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/activations/KV dtype (auto: "
-                   "bf16; on the CPU float32 is the exact reference, docs/engine.md)")  # fmt: skip
+                   "bfloat16 on CUDA (float16 without bf16) and on one CPU process, float32 on CPU worker "
+                   "ranks (--tensor/--pipeline-parallel-size > 1); the same as LLM(); float32 is the exact "
+                   "reference, docs/engine.md)")  # fmt: skip
     m.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto", help="CPU, bf16: "
-                   "weight-only int4/int8 linear layers (auto: int4 on the CPU unless --dtype float32, none "
-                   "on GPU)")  # fmt: skip
+                   "weight-only int4/int8 linear layers (auto: int4 with bfloat16 in one CPU process, else "
+                   "none)")  # fmt: skip
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS "
                    "if set, else every core this process may use)")  # fmt: skip
     m.add_argument("--max-model-len", type=int, default=None, help="context length: prompt + max_tokens "
@@ -120,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None, help="the name(s) clients "
                    "send as `model`; the first is the one responses and metrics carry (default: the model "
                    "folder's or file's name)")  # fmt: skip
-    m.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    m.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu or cuda[:N]")
     m.add_argument("--attention-backend", choices=("auto", *BACKENDS), default="auto", help="auto: on CUDA the "
                    "Triton kernels in bf16/fp16 and torch in fp32; on the CPU the C++ kernels (cpu, built once "
                    "per machine with g++, ~20 s), or torch without a compiler; flashinfer needs nvcc at first "
@@ -222,26 +224,6 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def cpu_defaults(dtype: str, quantization: str, device: str, world_size: int) -> tuple[str, str]:
-    """(dtype, quantization) for the engine: on the CPU `auto` is the fastest configuration whose greedy
-    agreement with fp32 is >= 90% (bf16 activations, int4 weights; docs/engine.md); fp32 stays exact.
-    On a GPU (or in the parallel engine) quantization `auto` is none and dtype `auto` is left to the engine."""
-    import torch  # noqa: PLC0415
-
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if not on_cpu or world_size > 1:
-        if quantization not in ("auto", "none"):
-            raise ValueError("--quantization int4/int8 runs in the single-process CPU engine only")
-        return dtype, "none"
-    if dtype == "auto":
-        dtype = "bfloat16"
-    if quantization == "auto":
-        quantization = "int4" if dtype == "bfloat16" else "none"
-    if quantization != "none" and dtype != "bfloat16":
-        raise ValueError(f"--quantization {quantization} multiplies bf16 activations: use --dtype bfloat16")
-    return dtype, quantization
-
-
 def budget_mode(args: argparse.Namespace) -> tuple[int, float | None]:
     """(token budget, time target) from the flags: time-budgeted unless --token-budget is given alone or
     the policy is not sarathi (the baselines take a token budget)."""
@@ -274,6 +256,7 @@ def build_configs(args: argparse.Namespace):
     """(EngineConfig, ServerSettings) from parsed arguments. Raises ValueError with a user-facing message."""
     from stallfree.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from stallfree.engine.paths import DEFAULT_MODEL_NAME
+    from stallfree.engine.placement import resolve_placement
     from stallfree.engine.server.state import ServerSettings
     from stallfree.engine.server.traffic import (
         load_traffic_config,
@@ -329,12 +312,13 @@ def build_configs(args: argparse.Namespace):
         names = {c.name for c in flags}
         kept = tuple(c for c in traffic.clusters if c.name not in names)
         traffic = replace(traffic, clusters=(*kept, *flags))
-    dtype, quantization = cpu_defaults(args.dtype, args.quantization, args.device, parallel.world_size)
+    # a bad device / dtype / quantization combination fails here; the engine resolves `auto` the same way
+    resolve_placement(args.device, args.dtype, args.quantization, world_size=parallel.world_size)
     engine_config = EngineConfig(
         model=model,
         load_format=load_format,
-        dtype=dtype,
-        quantization=quantization,
+        dtype=args.dtype,
+        quantization=args.quantization,
         threads=args.threads or default_threads(),
         device=args.device,
         attention_backend=args.attention_backend,

@@ -303,15 +303,15 @@ def main(args, plan: Plan | None = None) -> int:
     """Run from `python -m experiments.engine_bench --device cuda` (experiments.engine_bench parses the arguments).
 
     A test passes a small `plan` with device "cpu" (Triton's interpreter) to check the harness itself."""
-    from stallfree.engine.engine import resolve_dtype  # noqa: PLC0415
     from stallfree.engine.model.loader import load_model  # noqa: PLC0415
+    from stallfree.engine.placement import resolve_placement  # noqa: PLC0415
 
     plan = plan or Plan()
     if plan.device == "cuda" and not torch.cuda.is_available():
         print("engine-bench --device cuda: no CUDA device here", file=sys.stderr)
         return 2
     device = torch.device(plan.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_placement(plan.device, args.dtype, "none").dtype
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth(device) if plan.device == "cuda" else 1e10

@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M)")
     add_load_format_args(ap)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: fp32 on CPU, "
-                    "bf16 on GPU)")  # fmt: skip
-    ap.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="CPU with --dtype "
-                    "bfloat16: int4/int8 weight-only linear layers, as `stallfree serve` runs them")  # fmt: skip
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights/KV dtype (auto: as `stallfree "
+                    "serve` and LLM() resolve it: bfloat16 on the CPU and on CUDA)")  # fmt: skip
+    ap.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto", help="CPU with --dtype "
+                    "bfloat16: int4/int8 weight-only linear layers, as `stallfree serve` runs them (auto: int4 "
+                    "with bfloat16 on the CPU, else none)")  # fmt: skip
     ap.add_argument("--decodes", default=None, help="running decodes per iteration (default: "
                     f"{GRIDS['cpu'][0]} on the CPU, {GRIDS['gpu'][0]} on a GPU)")  # fmt: skip
     ap.add_argument("--decode-contexts", default=None, help="context length of the running decodes "
@@ -282,12 +283,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from stallfree.engine.engine import resolve_device, resolve_dtype
     from stallfree.engine.model.loader import load_model
+    from stallfree.engine.placement import resolve_placement
 
     try:
         model, load_format = resolve_load_format(args.model, args.load_format, args.shape)
-        device = resolve_device(args.device)
+        placement = resolve_placement(args.device, args.dtype, args.quantization)
+        device = placement.device
     except (ValueError, RuntimeError) as e:
         ap.error(str(e))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -311,11 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = load_model(
             model,
-            dtype=resolve_dtype(args.dtype, device),
+            dtype=placement.dtype,
             device=device,
             load_format=load_format,
             seed=args.seed,
-            quantization=args.quantization,
+            quantization=placement.quantization,
         )
     except ValueError as e:
         ap.error(str(e))
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": loaded.name,
         "device": str(device),
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-        "quantization": args.quantization,
+        "quantization": placement.quantization,
         "threads": args.threads,
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),

@@ -65,7 +65,7 @@ def test_profile_on_a_dummy_model(tmp_path, capsys):
     assert (meta["model"], meta["device"], meta["dtype"], meta["clock"]) == (
         "dummy-tiny",
         "cpu",
-        "float32",
+        "bfloat16",  # auto: what `stallfree serve` runs on the CPU (bf16 + int4)
         "cpu",
     )
 

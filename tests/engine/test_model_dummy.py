@@ -152,8 +152,8 @@ def test_the_offline_api_generates_with_finite_logprobs_in_fp32(smollm2):
 
 def test_load_format_dummy_through_llm_in_bf16():
     """The whole path from the constructor: model=None means the SmolLM2-135M shape, built in bf16."""
-    llm = LLM(load_format="dummy", dtype="bfloat16", device="cpu", max_model_len=MAX_LEN, num_kv_blocks=32,
-              max_num_seqs=4, seed=3)  # fmt: skip
+    llm = LLM(load_format="dummy", dtype="bfloat16", quantization="none", device="cpu", max_model_len=MAX_LEN,
+              num_kv_blocks=32, max_num_seqs=4, seed=3)  # fmt: skip
     loaded = llm.engine.loaded
     assert loaded.name == "dummy-smollm2-135m" and loaded.config.max_position_embeddings == MAX_LEN
     assert next(loaded.model.parameters()).dtype == torch.bfloat16

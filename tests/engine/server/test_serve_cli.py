@@ -136,16 +136,24 @@ def test_prefix_caching_flag_reaches_the_engine_config():
 
 
 def test_cpu_default_is_bf16_int4_and_fp32_is_one_flag_away(monkeypatch):
-    """The default CPU configuration is the fastest one with >= 90% greedy agreement (docs/engine.md)."""
+    """The default CPU configuration is the fastest one with >= 90% greedy agreement (docs/engine.md). serve
+    passes auto on and the engine resolves it as LLM() does (stallfree.engine.placement); impossible
+    combinations fail here, before the server starts."""
+    from stallfree.engine.placement import resolve_placement
     from stallfree.engine.serve_cli import build_configs, build_parser
 
     parse = build_parser().parse_args
+
+    def placement(argv):
+        c, _ = build_configs(parse(argv))
+        p = resolve_placement(c.device, c.dtype, c.quantization, world_size=c.parallel.world_size)
+        return str(p.dtype).removeprefix("torch."), p.quantization
+
     config, _ = build_configs(parse(["--device", "cpu"]))
-    assert (config.dtype, config.quantization) == ("bfloat16", "int4")
-    config, _ = build_configs(parse(["--device", "cpu", "--dtype", "float32"]))
-    assert (config.dtype, config.quantization) == ("float32", "none")
-    config, _ = build_configs(parse(["--device", "cpu", "--quantization", "none"]))
-    assert (config.dtype, config.quantization) == ("bfloat16", "none")
+    assert (config.dtype, config.quantization) == ("auto", "auto")
+    assert placement(["--device", "cpu"]) == ("bfloat16", "int4")
+    assert placement(["--device", "cpu", "--dtype", "float32"]) == ("float32", "none")
+    assert placement(["--device", "cpu", "--quantization", "none"]) == ("bfloat16", "none")
     with pytest.raises(ValueError, match="bf16"):
         build_configs(parse(["--device", "cpu", "--dtype", "float32", "--quantization", "int4"]))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
