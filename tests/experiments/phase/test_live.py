@@ -57,14 +57,22 @@ def test_time_mode_adaptive_run_budgets_in_time_under_the_cap(tmp_path):
     cfg = make_config(budgets=(64, 128, 256), time_target=0.7, time_cap=1024)
     static, adaptive = pl.deployment(cfg, 128), pl.deployment(cfg, None)
     assert static["spec"]["budget"] == {"initial": 128, "min": 64, "max": 256, "align": 32}
-    assert adaptive["spec"]["budget"] == {"mode": "time", "timeTarget": 0.7, "min": 64, "max": 1024, "align": 32}
+    assert adaptive["spec"]["budget"] == {
+        "mode": "time",
+        "timeTarget": 0.7,
+        "min": 64,
+        "max": 1024,
+        "align": 32,
+    }
     assert {c["chunkCap"] for c in adaptive["spec"]["trafficClusters"]} == {1024}
     assert {c["chunkCap"] for c in static["spec"]["trafficClusters"]} == {256}
     path = tmp_path / "adaptive.yaml"
     path.write_text(yaml.safe_dump(adaptive))
     dep = load(path)
     assert dep.spec.budget_mode == "time" and dep.spec.time_target == 0.7
-    assert adaptive["spec"]["controller"]["enabled"] is True and static["spec"]["controller"]["enabled"] is False
+    assert (
+        adaptive["spec"]["controller"]["enabled"] is True and static["spec"]["controller"]["enabled"] is False
+    )
 
 
 def test_budgets_off_the_alignment_are_refused_before_any_engine_starts(tmp_path, capsys):
