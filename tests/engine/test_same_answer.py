@@ -139,19 +139,25 @@ def _attention_by_row_kind(self, meta, store=True):
     return sdpa.bind(torch_metadata(meta.batch, self.cache.block_size), store)
 
 
+def _no_paged_rows(self, meta):
+    """No one-call C++ layer stack: the model runs layer by layer, attending through `bind`."""
+    return None
+
+
 ORIG_FORWARD = PackedLinear.forward
 
 
 @pytest.mark.parametrize(
-    "target,attr,mutant",
+    "mutants",
     [
-        (PackedLinear, "forward", _linear_switching_by_rows),
-        (CpuBackend, "bind", _attention_by_row_kind),
+        [(PackedLinear, "forward", _linear_switching_by_rows)],
+        [(CpuBackend, "bind", _attention_by_row_kind), (CpuBackend, "paged_rows", _no_paged_rows)],
     ],
     ids=["gemm-path-by-row-count", "attention-path-by-row-kind"],
 )
-def test_a_path_switch_is_caught(model, prompts, alone_and_cached, monkeypatch, target, attr, mutant):
-    monkeypatch.setattr(target, attr, mutant)
+def test_a_path_switch_is_caught(model, prompts, alone_and_cached, monkeypatch, mutants):
+    for target, attr, mutant in mutants:
+        monkeypatch.setattr(target, attr, mutant)
     llm = make_llm(model, token_budget=64, max_num_seqs=64, **DEFAULT_MODE)
     got = generate(llm, prompts[:12])
     assert got != alone_and_cached[0][:12], "a path switch by row count went unnoticed"
