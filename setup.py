@@ -18,7 +18,10 @@ HERE = Path(__file__).parent
 ROOTS = {"stallfree": "stallfree", "stallfree.engine": "engine", "stallfree.operator": "operator"}
 # The request-length CSVs (data/traces/) go into a wheel as stallfree/traces/, package data only (no code):
 # stallfree.bench.traces reads the checkout's folder first, so an editable install uses data/traces/ as is.
-DATA_PACKAGES = {"stallfree.traces": "data/traces"}
+DATA_PACKAGES = {
+    "stallfree.traces": "data/traces",
+    "stallfree.crds": "crds",
+}  # local mode validates with the CRD
 PACKAGE_DATA = {
     "": ["*.yaml", "*.json", "*.jinja"],
     "stallfree.engine.kernels": ["*.cpp"],  # the CPU kernels, built on the machine at first use

@@ -65,6 +65,7 @@ COPY stallfree ./stallfree
 COPY engine ./engine
 COPY operator ./operator
 COPY data/traces ./data/traces
+COPY crds ./crds
 COPY docker/install.sh docker/smoke.py ./docker/
 # The project with the engine extra and FlashInfer, the bundled default model, then the smoke check (every
 # engine module imports, `stallfree serve --help`): the same script the test suite runs.

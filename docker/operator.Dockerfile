@@ -13,6 +13,7 @@ COPY stallfree ./stallfree
 COPY engine ./engine
 COPY operator ./operator
 COPY data/traces ./data/traces
+COPY crds ./crds
 COPY docker/install.sh docker/smoke.py ./docker/
 # The project with the operator extra, then the smoke check (every operator module imports, `stallfree
 # operator --help`): the same script the test suite runs.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from test_dockerfile import parse
@@ -239,6 +240,25 @@ def test_the_engine_image_holds_every_module_and_file(engine_image):
             if path.is_file() and path.suffix not in (".py", ".pyc"):
                 installed = engine_image["site"].joinpath(*package.split("."), path.relative_to(src / folder))
                 assert installed.is_file(), f"{path.relative_to(src)} is not in the wheel"
+
+
+# Run by the new venv's python: local mode's check of a SarathiDeployment file, with the CRD the wheel carries.
+LOCAL_CHECK = """
+import sys
+from stallfree.local.config import crd_path, load
+print(crd_path())
+print(load(sys.argv[1]).name)
+"""
+
+
+def test_the_installed_package_validates_a_local_deployment_with_its_own_crd(engine_image, tmp_path):
+    """`stallfree up FILE` from a wheel: the CRD it validates with is the one installed beside the code."""
+    spec = tmp_path / "local.yaml"
+    spec.write_text((REPO / "examples" / "local.yaml").read_text())
+    env = {k: v for k, v in clean_env().items() if k != "STALLFREE_CRD"}
+    crd, name = run([str(engine_image["python"]), "-c", LOCAL_CHECK, str(spec)], env, tmp_path).split()
+    assert Path(crd).is_relative_to(engine_image["site"]), crd
+    assert name == yaml.safe_load(spec.read_text())["metadata"]["name"]
 
 
 def test_the_installed_engine_serves_a_chat_completion(engine_image, tmp_path):

@@ -35,10 +35,12 @@ class LocalDeployment:
 
 
 def crd_path() -> Path:
-    """The CRD file: $STALLFREE_CRD, else crds/ (or the chart's copy) next to this checkout."""
+    """The CRD file: $STALLFREE_CRD, else the copy installed with the package (stallfree.crds, from crds/),
+    else crds/ (or the chart's copy) next to this checkout."""
     env = os.environ.get("STALLFREE_CRD")
     candidates = [Path(env)] if env else []
     candidates += [
+        Path(__file__).resolve().parents[1] / "crds" / "sarathideployment.yaml",  # a wheel: stallfree/crds/
         _REPO / "crds" / "sarathideployment.yaml",
         _REPO / "charts" / "stallfree" / "crds" / "sarathideployment.yaml",
     ]
