@@ -35,6 +35,11 @@ from stallfree.engine.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
+
+class _ForwardFailed(Exception):
+    """A forward pass raised: the requests of the batches in flight fail, the engine runs on."""
+
+
 ERROR_EVERY = 16  # iterations between recomputing the cost model's error quantiles (for metrics, stats)
 
 StatsListener = Callable[[IterationStats, list[RequestOutput]], None]
@@ -280,7 +285,7 @@ class LLMEngine:
         try:
             while len(self._in_flight) < self.executor.max_in_flight:
                 t0 = time.perf_counter()
-                sched = self.scheduler.schedule()
+                sched = self.scheduler.schedule()  # a scheduler bug is not a failed forward: it propagates
                 t_sched = time.perf_counter() - t0
                 if sched.is_empty:
                     break
@@ -288,15 +293,12 @@ class LLMEngine:
                 sched = self.structured.attach_masks(sched)  # filled in the background while the model runs
                 self.scheduler.mark_in_flight(sched)
                 self._in_flight.append((sched, t_sched))
-                self.executor.submit(sched)
+                self._forward(self.executor.submit, sched)
             if not self._in_flight:
                 return []
-            run = self.executor.collect()
-        except ExecutorFailedError as e:
-            self._die(str(e))
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
-            return self._fail_in_flight(f"model execution failed: {type(e).__name__}: {e}")
+            run = self._forward(self.executor.collect)
+        except _ForwardFailed as e:
+            return self._fail_in_flight(str(e))
         sched, t_sched = self._in_flight.popleft()
         self.scheduler.complete(sched)
         return self._apply(sched, run, t_sched, time.perf_counter())
@@ -355,6 +357,17 @@ class LLMEngine:
         if status is None and self.structured.is_terminated(req.request_id):
             return RequestStatus.FINISHED_STOPPED
         return status
+
+    def _forward(self, call, *args):
+        """One executor call. ExecutorFailedError (the executor can no longer run) fails every request and
+        is re-raised; any other exception is a failed forward pass (_ForwardFailed: its batches fail)."""
+        try:
+            return call(*args)
+        except ExecutorFailedError as e:
+            self._die(str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the forward pass fails its requests, loudly
+            raise _ForwardFailed(f"model execution failed: {type(e).__name__}: {e}") from e
 
     def _fail_in_flight(self, message: str) -> list[RequestOutput]:
         """A forward pass failed: fail the requests of every batch in flight (in process: the one batch)."""
