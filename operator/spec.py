@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stallfree.engine.hub import HubRef, parse_hub_uri
+from stallfree.slo import Slo
 
 GROUP = "serving.stallfree.dev"
 VERSION = "v1alpha1"
@@ -179,12 +180,6 @@ class PodSettings(_Model):
         return self
 
 
-class Slo(_Model):
-    ttft_p99_seconds: float = Field(2.0, alias="ttftP99Seconds", gt=0)
-    tbt_p99_seconds: float = Field(0.2, alias="tbtP99Seconds", gt=0)
-    scheduling_delay_p50_seconds: float = Field(2.0, alias="schedulingDelayP50Seconds", gt=0)
-
-
 class Budget(_Model):
     """spec.budget: how an iteration is budgeted. `time` (the default): each iteration's prefill is what the
     engine's calibrated cost model fits in `timeTarget` x the strictest P99 TBT SLO among the clusters
@@ -271,11 +266,16 @@ class SarathiSpec(_Model):
     resources: Resources = Resources()
     pod: PodSettings = PodSettings()
     engine: EngineSpec = EngineSpec()
-    slo: Slo = Slo()
+    slo: Slo = Slo()  # spec.slo, camelCase on the wire (stallfree.slo parses it); the CRD's defaults
     budget: Budget = Budget()
     traffic_clusters: tuple[TrafficCluster, ...] = Field((), alias="trafficClusters")
     controller: ControllerSpec = ControllerSpec()
     admission: Admission = Admission()
+
+    @field_validator("slo", mode="before")
+    @classmethod
+    def _parse_slo(cls, v: Any) -> Slo:
+        return v if isinstance(v, Slo) else Slo.from_json(v)
 
     @model_validator(mode="after")
     def _check(self) -> SarathiSpec:
@@ -300,6 +300,11 @@ class SarathiSpec(_Model):
         return self
 
     # ---- derived values the builders share ----------------------------------------------------------
+    def cluster_slo(self, c: TrafficCluster) -> Slo:
+        """A traffic cluster's objectives: its own `slo`, the ones it leaves out taken from spec.slo (as the
+        builders write it into the engine config)."""
+        return Slo.from_json(c.slo or {}, base=self.slo, where=f"trafficClusters[{c.name}].slo")
+
     @property
     def budget_mode(self) -> Literal["time", "tokens"]:
         """budget.mode, or when unset: tokens for a spec that pins budget.initial or runs a baseline policy

@@ -16,13 +16,14 @@ import pytest
 
 REPO = Path(__file__).parents[1]
 # The paths STYLE.md keeps under mypy: scheduler, block manager, server and operator, and the cost model the
-# operator's controller plans with.
+# operator's controller plans with, and the SLO type the engine, operator and controller share.
 MYPY_PATHS = [
     "engine/scheduler.py",
     "engine/block_manager.py",
     "engine/server",
     "operator",
     "stallfree/costmodel",
+    "stallfree/slo.py",
 ]
 # folder -> packages nothing in it may import. The operator is what runs in a cluster: benchmark harnesses
 # and local mode live outside it. The engine serves: benchmarks drive it from outside (habit 9). The cost

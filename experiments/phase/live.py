@@ -85,9 +85,10 @@ from stallfree.bench.host import HostWatch
 from stallfree.bench.loadgen import fetch_model_id, run_workload
 from stallfree.bench.metrics import OK, OUTCOMES, RequestRecord
 from stallfree.bench.traces import TraceRequest, Workload
-from stallfree.operator.controller.types import ClusterSpec, Slo
+from stallfree.operator.controller.types import ClusterSpec
 from stallfree.operator.spec import API_VERSION, KIND
 from stallfree.ports import free_port
+from stallfree.slo import Slo
 
 MODEL = "SmolLM2-135M-Instruct"  # the bundled model: nothing to download
 
@@ -121,16 +122,12 @@ def deployment(cfg: LiveConfig, static_budget: int | None) -> dict:
         budget = {"initial": cfg.initial if static_budget is None else static_budget, "min": lo, "max": hi,
                   "align": 32}  # fmt: skip
 
-    def slo(s: Slo) -> dict:
-        return {"ttftP99Seconds": s.ttft_p99, "tbtP99Seconds": s.tbt_p99,
-                "schedulingDelayP50Seconds": s.scheduling_delay_p50}  # fmt: skip
-
     clusters = [
         # Header only: no prompt-length rule, so the request's header alone decides its cluster.
         {
             "name": s.name,
             "match": {"header": s.name},
-            "slo": slo(s.slo),
+            "slo": s.slo.to_json(),
             "chunkCap": hi,
             "priority": s.priority,
         }
@@ -145,7 +142,7 @@ def deployment(cfg: LiveConfig, static_budget: int | None) -> dict:
             "replicas": {"min": 1, "max": 1},
             "resources": {"gpusPerPod": 0},
             "engine": {"policy": "sarathi", "blockSize": 16, "maxNumSeqs": cfg.max_num_seqs},
-            "slo": slo(cfg.specs[0].slo),
+            "slo": cfg.specs[0].slo.to_json(),
             "budget": budget,
             "trafficClusters": clusters,
             "controller": {

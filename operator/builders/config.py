@@ -22,12 +22,7 @@ DEFAULT_CLUSTER = "default"
 
 
 def _slo_dict(ctx: BuildContext) -> dict[str, float]:
-    slo = ctx.spec.slo
-    return {
-        "ttftP99Seconds": slo.ttft_p99_seconds,
-        "tbtP99Seconds": slo.tbt_p99_seconds,
-        "schedulingDelayP50Seconds": slo.scheduling_delay_p50_seconds,
-    }
+    return ctx.spec.slo.to_json()
 
 
 def traffic_clusters(ctx: BuildContext, *, tuned: bool = True) -> list[dict]:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from stallfree.costmodel.model import BUILTIN, CostModel, from_coefficients
-from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Knobs, Slo
+from stallfree.operator.controller.types import ClusterSpec, ControllerConfig, Knobs
 from stallfree.operator.spec import SarathiSpec
 
 DEFAULT_CLUSTER = "default"  # what the engine config calls the one cluster of a spec without any
@@ -26,19 +26,13 @@ class LoopInputs:
 def cluster_specs(spec: SarathiSpec) -> tuple[ClusterSpec, ...]:
     """Each traffic cluster with missing SLOs and admission limits filled in from spec.slo / spec.admission,
     exactly as the operator writes them into the engine config."""
-    d = spec.slo
     adm = spec.admission
     if not spec.traffic_clusters:
-        slo = Slo(d.ttft_p99_seconds, d.tbt_p99_seconds, d.scheduling_delay_p50_seconds)
-        return (ClusterSpec(DEFAULT_CLUSTER, slo=slo, knobs=Knobs(None, adm.max_waiting, adm.max_running)),)
+        knobs = Knobs(None, adm.max_waiting, adm.max_running)
+        return (ClusterSpec(DEFAULT_CLUSTER, slo=spec.slo, knobs=knobs),)
     out = []
     for c in spec.traffic_clusters:
-        own = c.slo or {}
-        slo = Slo(
-            ttft_p99=float(own.get("ttftP99Seconds", d.ttft_p99_seconds)),
-            tbt_p99=float(own.get("tbtP99Seconds", d.tbt_p99_seconds)),
-            scheduling_delay_p50=float(own.get("schedulingDelayP50Seconds", d.scheduling_delay_p50_seconds)),
-        )
+        slo = spec.cluster_slo(c)
         knobs = Knobs(
             chunk_cap=c.chunk_cap,
             max_waiting=c.max_waiting if c.max_waiting is not None else adm.max_waiting,

@@ -8,29 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """One traffic cluster's service-level objectives, seconds."""
-
-    ttft_p99: float = 2.0
-    tbt_p99: float = 0.2
-    scheduling_delay_p50: float = 2.0
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_p99", "tbt_p99", "scheduling_delay_p50"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"slo.{name} must be positive, got {getattr(self, name)!r}")
-
-    def met(self, c: ClusterSnapshot) -> bool | None:
-        """Whether every objective with a sample in `c` held; None when none has a sample (no traffic)."""
-        pairs = [
-            (c.tbt_p99, self.tbt_p99),
-            (c.ttft_p99, self.ttft_p99),
-            (c.scheduling_delay_p50, self.scheduling_delay_p50),
-        ]
-        seen = [(o, s) for o, s in pairs if o is not None]
-        return None if not seen else all(o <= s for o, s in seen)
+from stallfree.slo import Slo
 
 
 @dataclass(frozen=True, slots=True)
