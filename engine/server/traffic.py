@@ -32,16 +32,13 @@ from typing import Any
 import yaml
 
 from stallfree.engine.config import SchedulerTunables, TrafficClusterLimits
+from stallfree.slo import WIRE_NAMES
 
 DEFAULT_CLUSTER = "default"
 DEFAULT_MIN_TOKEN_BUDGET = 16
 _TOP_FIELDS = ("tokenBudget", "timeTarget", "minTokenBudget", "chunkAlign", "trafficClusters")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_SLO_FIELDS = {
-    "ttftP99Seconds": "ttft_p99",
-    "tbtP99Seconds": "tbt_p99",
-    "schedulingDelayP50Seconds": "scheduling_delay_p50",
-}
+_SLO_FIELDS = WIRE_NAMES  # the CRD's camelCase names, defined once in stallfree.slo
 _LIMIT_FIELDS = {"chunkCap": "chunk_cap", "maxWaiting": "max_waiting", "maxRunning": "max_running"}
 _MATCH_FIELDS = {
     "header": "header",
@@ -56,6 +53,10 @@ class TrafficConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SLO:
+    """A cluster's objectives as the engine's file and admin API give them: stallfree.slo.Slo's fields and
+    wire names, but each may be left out (None: the engine has no such objective for the cluster, where the
+    CRD would default it). The operator always writes all three."""
+
     ttft_p99: float | None = None
     tbt_p99: float | None = None
     scheduling_delay_p50: float | None = None
