@@ -32,9 +32,10 @@ import numpy as np
 
 from experiments.protocol import add_protocol_args, protocol_workload
 from stallfree.bench.launcher import ServerProcess, ServerSpec
-from stallfree.bench.metrics import SLO, slo_attainment
+from stallfree.bench.metrics import slo_attainment
 from stallfree.bench.serve_cmd import bench_once
 from stallfree.bench.simulate import workload_of
+from stallfree.slo import Slo
 
 MEDIAN_BAR, P95_BAR = 0.10, 0.25
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return report({p: analyse_log(Path(p), a.window) for p in a.logs}, a, Path(a.out))
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     args, trace, model, load_format = protocol_workload(a)
-    slo = SLO(ttft=a.slo_ttft, tbt=a.slo_tbt)
+    slo = Slo(ttft_p99=a.slo_ttft, tbt_p99=a.slo_tbt)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         with ServerProcess(spec, out / f"server-s{seed}.log") as server:
             _, records = bench_once(server.url, wl, slo, desc=f"seed {seed}")
         r = analyse_log(log, a.window)
-        r["attainment"] = slo_attainment(records, slo.ttft, slo.tbt)
+        r["attainment"] = slo_attainment(records, slo.ttft_p99, slo.tbt_p99)
         results[f"seed {seed}"] = r
     return report(results, a, out)
 

@@ -32,13 +32,14 @@ from types import SimpleNamespace
 import numpy as np
 from tqdm import tqdm
 
-from stallfree.bench.metrics import SLO, meets_capacity_slo
+from stallfree.bench.metrics import meets_capacity_slo
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.simulate import _simulate_once, simulate_capacity
 from stallfree.bench.simulator import SimConfig, parse_policy_entry
 from stallfree.bench.traces import load_trace
 from stallfree.bench.tune import slo_from_decode, tune
 from stallfree.costmodel.fitted import FittedCostModel
+from stallfree.slo import Slo
 
 # The issue's targets: (numerator entry, denominator entry, SLO name, at least).
 TARGETS = (
@@ -149,7 +150,7 @@ def _search_task(task: tuple) -> tuple:
     """One capacity search (a worker process): (trace, seed, label) -> capacities and compact runs."""
     trace, seed, label, cfg, cost, slos, args = task
     wa = _workload_args(args, seed, trace)
-    slo = SLO(ttft=1e9, tbt=min(slos), scheduling_delay=args.slo_delay)
+    slo = Slo(ttft_p99=1e9, tbt_p99=min(slos), scheduling_delay_p50=args.slo_delay)
     res = simulate_capacity(_trace(trace), wa, cost, cfg, slos, slo)
     caps = {k: v["capacity_qps"] for k, v in res["by_tbt_slo"].items()}
     brackets = {k: v["final_bracket"] for k, v in res["by_tbt_slo"].items()}
@@ -161,7 +162,7 @@ def _sweep_task(task: tuple) -> tuple:
     trace, seed, label, cfg, cost, qps, args = task
     wa = _workload_args(args, seed, trace)
     s = _simulate_once(
-        _trace(trace), wa, cost, cfg, qps, SLO(ttft=1e9, tbt=1.0, scheduling_delay=args.slo_delay)
+        _trace(trace), wa, cost, cfg, qps, Slo(ttft_p99=1e9, tbt_p99=1.0, scheduling_delay_p50=args.slo_delay)
     )
     return trace, label, qps, compact(s)
 
@@ -362,7 +363,7 @@ def _live_plan(args, summary: dict, ents, slos: dict, blocks: int, cfg, cost) ->
     trace = "arxiv" if "arxiv" in summary else next(iter(summary))
     wa = _workload_args(args, args.live_seed, trace)
     wa.num_requests = args.live_requests
-    slo = SLO(ttft=1e9, tbt=slos["strict"], scheduling_delay=args.slo_delay)
+    slo = Slo(ttft_p99=1e9, tbt_p99=slos["strict"], scheduling_delay_p50=args.slo_delay)
     m = args.live_margin
     servers = {}
     for lab, policy, budget in ents:
@@ -373,9 +374,9 @@ def _live_plan(args, summary: dict, ents, slos: dict, blocks: int, cfg, cost) ->
 
         def run(q: float, c: SimConfig = c) -> dict:
             s = _simulate_once(_trace(trace), wa, cost, c, q, slo)
-            return {"qps": q, "meets": meets_capacity_slo(s, slo.tbt, slo.scheduling_delay),
-                    "meets_with_margin": meets_capacity_slo(s, slo.tbt * (1 - m), slo.scheduling_delay * (1 - m)),
-                    "fails_with_margin": not meets_capacity_slo(s, slo.tbt * (1 + m), slo.scheduling_delay * (1 + m)),
+            return {"qps": q, "meets": meets_capacity_slo(s, slo.tbt_p99, slo.scheduling_delay_p50),
+                    "meets_with_margin": meets_capacity_slo(s, slo.tbt_p99 * (1 - m), slo.scheduling_delay_p50 * (1 - m)),
+                    "fails_with_margin": not meets_capacity_slo(s, slo.tbt_p99 * (1 + m), slo.scheduling_delay_p50 * (1 + m)),
                     "makespan_s": s["makespan_s"], **compact(s)}  # fmt: skip
 
         # NOTE: each point clears the criterion by the margin, so a model error below it keeps the verdict

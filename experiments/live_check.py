@@ -25,12 +25,13 @@ from pathlib import Path
 
 from experiments.capacity_study import compact
 from stallfree.bench.launcher import ServerProcess, ServerSpec
-from stallfree.bench.metrics import SLO, meets_capacity_slo, summarize
+from stallfree.bench.metrics import meets_capacity_slo, summarize
 from stallfree.bench.report import table, write_json
 from stallfree.bench.serve_cmd import bench_once
 from stallfree.bench.simulator import SimConfig, simulate
 from stallfree.bench.traces import load_trace, make_workload
 from stallfree.costmodel.fitted import FittedCostModel
+from stallfree.slo import Slo
 
 
 def point_verdict(live: dict, sim: dict, tbt_slo: float, delay_slo: float, tolerance: float) -> dict:
@@ -62,7 +63,9 @@ class _Run:
     def __init__(self, args, plan: dict, trace, cost: FittedCostModel, blocks: int, block: int, t0: float):
         self.args, self.plan, self.trace, self.cost = args, plan, trace, cost
         self.blocks, self.block, self.t0 = blocks, block, t0
-        self.slo = SLO(ttft=1e9, tbt=plan["tbt_slo_s"], scheduling_delay=plan["scheduling_delay_slo_s"])
+        self.slo = Slo(
+            ttft_p99=1e9, tbt_p99=plan["tbt_slo_s"], scheduling_delay_p50=plan["scheduling_delay_slo_s"]
+        )
 
     def log(self, msg: str) -> None:
         print(f"[live_check {time.monotonic() - self.t0:5.0f}s] {msg}", file=sys.stderr, flush=True)
@@ -85,7 +88,10 @@ class _Run:
         with ServerProcess(spec, log_path, ready_timeout=600) as server:
             self.log(f"{label}: ready; warming up")
             bench_once(
-                server.url, self.workload(4, 2.0, a.seed + 999), SLO(ttft=1e9, tbt=1e9), progress=False
+                server.url,
+                self.workload(4, 2.0, a.seed + 999),
+                Slo(ttft_p99=1e9, tbt_p99=1e9),
+                progress=False,
             )
             return [self.point(server.url, label, s, cfg, q) for q in qs]
 
@@ -102,7 +108,7 @@ class _Run:
             return {**row, "skipped": True, "simulated": compact(sim)}
         t0 = time.monotonic()
         live, records = bench_once(url, wl, self.slo, desc=f"{label} @ {q:g} qps")
-        v = point_verdict(live, sim, self.slo.tbt, self.slo.scheduling_delay, a.tbt_tolerance)
+        v = point_verdict(live, sim, self.slo.tbt_p99, self.slo.scheduling_delay_p50, a.tbt_tolerance)
         self.log(f"{label} @ {q:g} QPS: live P99 TBT {_ms(live['tbt_s']['p99'])} / sim {_ms(sim['tbt_s']['p99'])} ms, "
                  f"P50 sched {_s(live['scheduling_delay_s']['p50'])} / {_s(sim['scheduling_delay_s']['p50'])} s; "
                  f"meets {v['live_meets']} / {v['simulated_meets']}")  # fmt: skip

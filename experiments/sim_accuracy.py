@@ -22,12 +22,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from stallfree.bench.metrics import SLO
 from stallfree.bench.report import table, write_json
 from stallfree.bench.simulate import _simulate_once, sim_config, simulate_capacity
 from stallfree.bench.simulator import parse_policy_entry
 from stallfree.bench.traces import load_trace
 from stallfree.costmodel.fitted import FittedCostModel
+from stallfree.slo import Slo
 
 
 def _err(measured: float | None, predicted: float | None) -> float | None:
@@ -48,7 +48,7 @@ def compare(
     a.tolerance = tolerance  # the simulated search is finer than the measured one
     trace = load_trace(a.trace)
     slos = sorted(float(t) for t in next(iter(capacity["results"].values()))["measured"]["by_tbt_slo"])
-    slo = SLO(ttft=a.slo_ttft, tbt=min(slos), scheduling_delay=a.slo_delay)
+    slo = Slo(ttft_p99=a.slo_ttft, tbt_p99=min(slos), scheduling_delay_p50=a.slo_delay)
     out: dict = {"runs": [], "capacity": [], "contention": contention, "tolerance": tolerance}
     for name, r in capacity["results"].items():
         if name == "peer" or "server" not in r or (servers is not None and name not in servers):

@@ -29,12 +29,13 @@ from pathlib import Path
 
 from experiments.protocol import add_protocol_args, protocol_workload
 from stallfree.bench.launcher import ServerProcess, ServerSpec
-from stallfree.bench.metrics import OK, SLO, RequestRecord, slo_attainment
+from stallfree.bench.metrics import OK, RequestRecord, slo_attainment
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
 from stallfree.bench.simulate import workload_of
+from stallfree.slo import Slo
 
 
-def window_figures(records: list[RequestRecord], window: int, slo: SLO) -> dict:
+def window_figures(records: list[RequestRecord], window: int, slo: Slo) -> dict:
     """Attainment and median gap between tokens of the first `window` requests (by arrival) and the rest."""
     ordered = sorted(records, key=lambda r: r.index)
     out = {}
@@ -42,7 +43,7 @@ def window_figures(records: list[RequestRecord], window: int, slo: SLO) -> dict:
         gaps = [g for r in part for g in r.tbts]
         out[name] = {
             "requests": len(part),
-            "attainment": slo_attainment(part, slo.ttft, slo.tbt),
+            "attainment": slo_attainment(part, slo.ttft_p99, slo.tbt_p99),
             "median_tbt_s": statistics.median(gaps) if gaps else None,
             "ok": sum(1 for r in part if r.outcome == OK),
         }
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     # The capacity command's own workload options, so the requests are the protocol's.
     args, trace, model, load_format = protocol_workload(a)
-    slo = SLO(ttft=a.slo_ttft, tbt=a.slo_tbt)
+    slo = Slo(ttft_p99=a.slo_ttft, tbt_p99=a.slo_tbt)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}

@@ -21,12 +21,13 @@ from pathlib import Path
 from stallfree.bench.capacity import CapacitySearch
 from stallfree.bench.host import describe
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
-from stallfree.bench.metrics import SLO, meets_attainment, meets_capacity_slo, slo_attainment
+from stallfree.bench.metrics import meets_attainment, meets_capacity_slo, slo_attainment
 from stallfree.bench.report import pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, load_text_prompts, reset_prefix_cache
 from stallfree.bench.simulate import caching_modes, config_label, workload_of
 from stallfree.bench.simulator import ServerEntry, parse_server_entry
 from stallfree.bench.traces import Trace
+from stallfree.slo import Slo
 
 
 def warm_up(url: str, trace: Trace, args, text_prompts=None, logprobs: bool = True) -> None:
@@ -34,7 +35,9 @@ def warm_up(url: str, trace: Trace, args, text_prompts=None, logprobs: bool = Tr
     peer gets the same, so that neither side's first search run pays for its start."""
     # no shared prefixes here: the measured runs start from an empty prefix cache
     wl = workload_of(replace(trace, sharing=None), args, 2.0, num_requests=4, seed=args.seed + 999)
-    bench_once(url, wl, SLO(ttft=1e9, tbt=1e9), progress=False, text_prompts=text_prompts, logprobs=logprobs)
+    bench_once(
+        url, wl, Slo(ttft_p99=1e9, tbt_p99=1e9), progress=False, text_prompts=text_prompts, logprobs=logprobs
+    )
 
 
 def search_target(
@@ -43,7 +46,7 @@ def search_target(
     trace: Trace,
     args,
     slos: list[float],
-    slo: SLO,
+    slo: Slo,
     log,
     text_prompts=None,
     logprobs: bool = True,
@@ -71,7 +74,7 @@ def search_target(
             text_prompts=texts,
         )
         s["wall_s"] = time.time() - t0
-        s["attainment"] = {str(t): slo_attainment(records, slo.ttft, t) for t in slos}
+        s["attainment"] = {str(t): slo_attainment(records, slo.ttft_p99, t) for t in slos}
         att = ", ".join(f"{float(t) * 1e3:.0f} ms: {a:.0%}" for t, a in s["attainment"].items())
         log(
             f"  {name} @ {qps:.3g} QPS: P99 TBT {s['tbt_s']['p99']}, P50 sched {s['scheduling_delay_s']['p50']}, "
@@ -107,14 +110,14 @@ def criterion(args):
     return lambda s, t: meets_capacity_slo(s, t, args.slo_delay)
 
 
-def server_slo(server: ServerEntry, slos: list[float], slo: SLO) -> tuple[float, float] | None:
+def server_slo(server: ServerEntry, slos: list[float], slo: Slo) -> tuple[float, float] | None:
     """What a time-budgeted server is told: the strictest P99 TBT SLO searched and the TTFT SLO (a
     server with a token budget is told nothing)."""
-    return None if server.time_target is None else (min(slos), slo.ttft)
+    return None if server.time_target is None else (min(slos), slo.ttft_p99)
 
 
 def simulated(
-    server: ServerEntry, trace: Trace, args, slos: list[float], slo: SLO, caching: bool = True
+    server: ServerEntry, trace: Trace, args, slos: list[float], slo: Slo, caching: bool = True
 ) -> dict | None:
     if not args.cost_model:
         return None
@@ -161,7 +164,7 @@ def _plot(results: dict, slos: list[float], out: Path) -> Path:
     return path
 
 
-def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo: SLO) -> int:
+def main_capacity(args: argparse.Namespace, trace: Trace, slos: list[float], slo: Slo) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []

@@ -15,7 +15,6 @@ import logging
 import sys
 
 from stallfree.bench import capacity_cmd, sweep_cmd
-from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import (
     add_workload_args,
     caching_modes,
@@ -25,6 +24,7 @@ from stallfree.bench.simulate import (
 )
 from stallfree.bench.simulator import POLICY_NAMES, parse_server_entry
 from stallfree.engine.serve_cli import add_load_format_args, resolve_load_format
+from stallfree.slo import Slo
 
 SERVE_EXAMPLE = """\
 example (CPU, SmolLM2-135M, summarization trace at 1/8 length):
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The arguments alone first, so a typo is reported before any file is read.
         slos = tbt_slos(args.slo_tbt)
-        slo = SLO(ttft=args.slo_ttft, tbt=slos[0], scheduling_delay=args.slo_delay)
+        slo = Slo(ttft_p99=args.slo_ttft, tbt_p99=slos[0], scheduling_delay_p50=args.slo_delay)
         for p in (getattr(args, "policies", "") or "").split(","):
             if p.strip() and args.command == "capacity":
                 parse_server_entry(p, args.token_budget)

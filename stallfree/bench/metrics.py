@@ -17,24 +17,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from stallfree.slo import Slo
+
 OK = "ok"
 REJECTED = "rejected"  # 429: the server refused it (admission control); counted, never hidden
 ERROR = "error"
 TIMEOUT = "timeout"
 OUTCOMES = (OK, REJECTED, ERROR, TIMEOUT)
 QUANTILES = (50, 95, 99)
-
-
-@dataclass(frozen=True, slots=True)
-class SLO:
-    ttft: float  # seconds, P99 target per request
-    tbt: float  # seconds, P99 target per request and over all gaps
-    scheduling_delay: float = 2.0  # seconds, P50 target (the capacity criterion)
-
-    def __post_init__(self) -> None:
-        for name in ("ttft", "tbt", "scheduling_delay"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SLO {name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)
@@ -72,11 +62,11 @@ class RequestRecord:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
-    def meets(self, slo: SLO) -> bool:
-        if self.outcome != OK or self.ttft is None or self.ttft > slo.ttft:
+    def meets(self, slo: Slo) -> bool:
+        if self.outcome != OK or self.ttft is None or self.ttft > slo.ttft_p99:
             return False
         gaps = self.tbts
-        return not gaps or percentile(gaps, 99) <= slo.tbt
+        return not gaps or percentile(gaps, 99) <= slo.tbt_p99
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -104,7 +94,7 @@ def percentiles(
 
 def summarize(
     records: Sequence[RequestRecord],
-    slo: SLO,
+    slo: Slo,
     *,
     server_scheduling_delay: dict[str, float | None] | None = None,
 ) -> dict:
@@ -144,7 +134,7 @@ def summarize(
         "output_tokens_per_s": rate(out_tokens),
         "goodput_rps": rate(good),
         "good_fraction": good / len(records) if records else 0.0,
-        "slo": {"ttft_s": slo.ttft, "tbt_s": slo.tbt, "scheduling_delay_s": slo.scheduling_delay},
+        "slo": {"ttft_s": slo.ttft_p99, "tbt_s": slo.tbt_p99, "scheduling_delay_s": slo.scheduling_delay_p50},
     }
 
 
@@ -169,7 +159,7 @@ def meets_capacity_slo(summary: dict, tbt_slo: float, delay_slo: float = 2.0) ->
 def slo_attainment(records: Sequence[RequestRecord], ttft_slo: float, tbt_slo: float) -> float:
     """Share of a run's requests that meet both per-request SLOs: served, TTFT <= ttft_slo and their own P99
     inter-token gap <= tbt_slo (the attainment definition of capacity, beside `meets_capacity_slo`)."""
-    slo = SLO(ttft=ttft_slo, tbt=tbt_slo)
+    slo = Slo(ttft_p99=ttft_slo, tbt_p99=tbt_slo)
     return sum(1 for r in records if r.meets(slo)) / len(records) if records else 0.0
 
 

@@ -19,13 +19,14 @@ from tqdm import tqdm
 
 from stallfree.bench.host import HostWatch
 from stallfree.bench.loadgen import metrics_delta, run_workload, scrape
-from stallfree.bench.metrics import SLO, RequestRecord, summarize
+from stallfree.bench.metrics import RequestRecord, summarize
 from stallfree.bench.report import ms, pyplot, table, write_json
 from stallfree.bench.traces import Workload
+from stallfree.slo import Slo
 
 
 async def _bench(
-    url: str, workload: Workload, slo: SLO, *, model, api_key, timeout, logprobs, cluster, bar, text_prompts
+    url: str, workload: Workload, slo: Slo, *, model, api_key, timeout, logprobs, cluster, bar, text_prompts
 ) -> tuple[dict, list]:
     host = HostWatch()
     before = await scrape(url)
@@ -74,7 +75,7 @@ def reset_prefix_cache(url: str) -> bool:
 def bench_once(
     url: str,
     workload: Workload,
-    slo: SLO,
+    slo: Slo,
     *,
     model: str | None = None,
     api_key: str | None = None,
@@ -122,21 +123,21 @@ SUMMARY_HEADERS = ["run", "QPS", "ok", "429", "TTFT p50 ms", "TTFT p99 ms", "TBT
                    "sched p50 ms", "req/s", "goodput/s"]  # fmt: skip
 
 
-def plot_run(records: list[RequestRecord], slo: SLO, out: Path, name: str = "serve.png") -> Path:
+def plot_run(records: list[RequestRecord], slo: Slo, out: Path, name: str = "serve.png") -> Path:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     gaps = np.sort([g for r in records for g in r.tbts]) * 1e3
     ttft = np.sort([r.ttft for r in records if r.ttft is not None])
     if len(gaps):
         axes[0].plot(gaps, np.linspace(0, 1, len(gaps)))
-    axes[0].axvline(slo.tbt * 1e3, color="red", ls="--", label="TBT SLO")
+    axes[0].axvline(slo.tbt_p99 * 1e3, color="red", ls="--", label="TBT SLO")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("inter-token gap, ms")
     axes[0].set_ylabel("CDF")
     axes[0].legend()
     if len(ttft):
         axes[1].plot(ttft, np.linspace(0, 1, len(ttft)))
-    axes[1].axvline(slo.ttft, color="red", ls="--", label="TTFT SLO")
+    axes[1].axvline(slo.ttft_p99, color="red", ls="--", label="TTFT SLO")
     axes[1].set_xlabel("TTFT, s")
     axes[1].legend()
     done = [r for r in records if r.ttft is not None]
@@ -153,7 +154,7 @@ def plot_run(records: list[RequestRecord], slo: SLO, out: Path, name: str = "ser
     return path
 
 
-def main_serve(args: argparse.Namespace, workload: Workload, slo: SLO) -> int:
+def main_serve(args: argparse.Namespace, workload: Workload, slo: Slo) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary, records = bench_once(
@@ -178,7 +179,7 @@ def main_serve(args: argparse.Namespace, workload: Workload, slo: SLO) -> int:
             title=(
                 f"{wl['trace']} x{wl['scale']:g} (median prompt {wl['prompt_tokens_median']:.0f}, output "
                 f"{wl['output_tokens_median']:.0f} tokens; {wl['num_clipped']} clipped to {wl['max_model_len']}), "
-                f"{wl['num_requests']} requests, seed {wl['seed']}; SLO TTFT {slo.ttft:g} s, TBT {slo.tbt * 1e3:.0f} ms"
+                f"{wl['num_requests']} requests, seed {wl['seed']}; SLO TTFT {slo.ttft_p99:g} s, TBT {slo.tbt_p99 * 1e3:.0f} ms"
             ),
         )
     )

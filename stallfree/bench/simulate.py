@@ -21,12 +21,13 @@ import numpy as np
 from tqdm import tqdm
 
 from stallfree.bench.capacity import CapacitySearch
-from stallfree.bench.metrics import SLO, meets_capacity_slo, summarize
+from stallfree.bench.metrics import meets_capacity_slo, summarize
 from stallfree.bench.report import latency_cells, pyplot, table, write_json
 from stallfree.bench.sharing import KINDS, Sharing, parse_turns
 from stallfree.bench.simulator import DEFAULT_KV_BLOCKS, POLICY_NAMES, SimConfig, simulate
 from stallfree.bench.traces import Trace, load_trace, make_workload
 from stallfree.costmodel.fitted import FittedCostModel
+from stallfree.slo import Slo
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -44,7 +45,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seeds request sampling and arrivals")
     ap.add_argument("--slo-ttft", type=float, default=10.0, help="TTFT SLO, seconds (for goodput)")
     ap.add_argument(
-        "--slo-tbt", default="1.0", help="P99 TBT SLO(s), seconds; a comma list searches capacity for each"
+        "--slo-tbt", default="1.0", help="P99 TBT Slo(s), seconds; a comma list searches capacity for each"
     )
     ap.add_argument("--slo-delay", type=float, default=2.0, help="P50 scheduling delay SLO for capacity, s")
     ap.add_argument("--workload", choices=KINDS, default="trace", help="trace: every prompt its own ids; "
@@ -100,7 +101,7 @@ def tbt_slos(arg: str) -> list[float]:
     return vals
 
 
-def _simulate_once(trace, args, cost: FittedCostModel, cfg: SimConfig, qps: float, slo: SLO) -> dict:
+def _simulate_once(trace, args, cost: FittedCostModel, cfg: SimConfig, qps: float, slo: Slo) -> dict:
     wl = workload_of(trace, args, qps)
     res = simulate(wl, cost, cfg)
     s = summarize(res.records, slo)
@@ -113,7 +114,7 @@ def _simulate_once(trace, args, cost: FittedCostModel, cfg: SimConfig, qps: floa
     return s
 
 
-def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: SLO, bar=None) -> dict:
+def simulate_capacity(trace, args, cost, cfg, slos: list[float], slo: Slo, bar=None) -> dict:
     """Capacity for each TBT SLO, from one shared set of simulated runs."""
 
     def evaluate(q: float) -> dict:
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for c in configs:
             c.scheduler()  # validates policy / budget with the scheduler's own messages
-        slo = SLO(ttft=args.slo_ttft, tbt=slos[0], scheduling_delay=args.slo_delay)
+        slo = Slo(ttft_p99=args.slo_ttft, tbt_p99=slos[0], scheduling_delay_p50=args.slo_delay)
     except ValueError as e:
         print(f"stallfree simulate: {e}", file=sys.stderr)
         return 2

@@ -19,14 +19,15 @@ import httpx
 
 from stallfree.bench.capacity_cmd import warm_up
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
-from stallfree.bench.metrics import SLO, summarize
+from stallfree.bench.metrics import summarize
 from stallfree.bench.report import latency_cells, ms, pyplot, table, write_json
 from stallfree.bench.serve_cmd import bench_once, reset_prefix_cache
 from stallfree.bench.simulate import caching_modes, config_label, workload_of
 from stallfree.bench.traces import Trace
+from stallfree.slo import Slo
 
 
-def _predict(policy: str, budget: int, trace: Trace, args, slo: SLO, caching: bool = True) -> dict | None:
+def _predict(policy: str, budget: int, trace: Trace, args, slo: Slo, caching: bool = True) -> dict | None:
     if not args.cost_model:
         return None
     from stallfree.bench.simulate import contention_of, sim_config
@@ -98,7 +99,7 @@ def _plot(rows: list[dict], out: Path) -> Path:
     return path
 
 
-def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
+def main_sweep(args: argparse.Namespace, trace: Trace, slo: Slo) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -173,7 +174,7 @@ def main_sweep(args: argparse.Namespace, trace: Trace, slo: SLO) -> int:
             title=(
                 f"{d['trace']} x{args.scale:g} (median prompt {d['prompt_tokens_median']:.0f}, output "
                 f"{d['output_tokens_median']:.0f}), {args.num_requests} requests at {args.qps:g} QPS, seed {args.seed}; "
-                f"SLO TTFT {slo.ttft:g} s, TBT {slo.tbt * 1e3:.0f} ms; {wall / 60:.1f} min"
+                f"SLO TTFT {slo.ttft_p99:g} s, TBT {slo.tbt_p99 * 1e3:.0f} ms; {wall / 60:.1f} min"
             ),
         )
     )

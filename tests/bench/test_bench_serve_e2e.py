@@ -12,9 +12,10 @@ import pytest
 
 from stallfree.bench import cli
 from stallfree.bench.launcher import ServerProcess, ServerSpec, iteration_log_args
-from stallfree.bench.metrics import OK, REJECTED, SLO
+from stallfree.bench.metrics import OK, REJECTED
 from stallfree.bench.serve_cmd import bench_once, reset_prefix_cache
 from stallfree.bench.traces import TraceRequest, Workload
+from stallfree.slo import Slo
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def workload(lengths, gap):
 
 def test_records_are_complete_and_consistent(server):
     wl = workload([(90, 6), (20, 9), (150, 4), (40, 7)], gap=0.3)
-    summary, records = bench_once(server.url, wl, SLO(ttft=60, tbt=30), progress=False)
+    summary, records = bench_once(server.url, wl, Slo(ttft_p99=60, tbt_p99=30), progress=False)
     assert [r.index for r in records] == [0, 1, 2, 3]
     for r, req in zip(records, wl.requests, strict=True):
         assert r.outcome == OK and r.status_code == 200, r.error
@@ -66,7 +67,7 @@ def test_iteration_log_accounts_for_every_token(server):
     wl = workload([(70, 5), (33, 8), (120, 3)], gap=0.2)
     # the first test sent prompts with the same ids (same indices and seed): they would come from the cache
     assert reset_prefix_cache(server.url)
-    summary, _ = bench_once(server.url, wl, SLO(ttft=60, tbt=30), progress=False)
+    summary, _ = bench_once(server.url, wl, Slo(ttft_p99=60, tbt_p99=30), progress=False)
     assert summary["outcomes"]["ok"] == 3
     lines = server.iteration_log.read_text().splitlines()[before:]  # flushed when the engine went idle
     recs = [json.loads(x) for x in lines]
@@ -84,7 +85,7 @@ def test_iteration_log_accounts_for_every_token(server):
 def test_429s_are_recorded_as_rejected(server):
     wl = workload([(30, 8)] * 6, gap=0.01)
     summary, records = bench_once(
-        server.url, wl, SLO(ttft=60, tbt=30), traffic_cluster="tight", progress=False
+        server.url, wl, Slo(ttft_p99=60, tbt_p99=30), traffic_cluster="tight", progress=False
     )
     outcomes = [r.outcome for r in records]
     assert set(outcomes) <= {OK, REJECTED} and REJECTED in outcomes and OK in outcomes

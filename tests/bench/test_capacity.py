@@ -7,9 +7,10 @@ from bench_factories import make_trace
 from costmodel_factories import make_cost_model
 
 from stallfree.bench.capacity import CapacitySearch
-from stallfree.bench.metrics import SLO, meets_capacity_slo
+from stallfree.bench.metrics import meets_capacity_slo
 from stallfree.bench.simulate import plan_replicas, simulate_capacity
 from stallfree.bench.simulator import SimConfig
+from stallfree.slo import Slo
 
 
 def latency_curve(qps: float) -> dict:
@@ -71,7 +72,7 @@ class Args:
 def test_simulated_capacity_sarathi_beats_vllm_at_a_strict_slo(tmp_path):
     trace = make_trace(tmp_path, prompt=1200, output=30)
     cost = make_cost_model()
-    slo = SLO(ttft=60, tbt=0.2)
+    slo = Slo(ttft_p99=60, tbt_p99=0.2)
     caps = {}
     for policy in ("sarathi", "vllm"):
         res = simulate_capacity(

@@ -9,7 +9,6 @@ from stallfree.bench.metrics import (
     ERROR,
     OK,
     REJECTED,
-    SLO,
     RequestRecord,
     meets_attainment,
     meets_capacity_slo,
@@ -17,6 +16,7 @@ from stallfree.bench.metrics import (
     slo_attainment,
     summarize,
 )
+from stallfree.slo import Slo
 
 
 def rec(i, sent, first, gaps, outcome=OK, delay=None):
@@ -43,7 +43,7 @@ def test_record_latencies():
 
 
 def test_goodput_counts_requests_meeting_both_slos():
-    slo = SLO(ttft=1.0, tbt=0.2)
+    slo = Slo(ttft_p99=1.0, tbt_p99=0.2)
     records = [
         rec(0, 0.0, 0.5, [0.1, 0.1]),  # good
         rec(1, 0.0, 2.0, [0.1]),  # TTFT too slow
@@ -63,7 +63,7 @@ def test_goodput_counts_requests_meeting_both_slos():
 
 
 def test_scheduling_delay_prefers_records_then_server():
-    slo = SLO(ttft=1.0, tbt=0.2)
+    slo = Slo(ttft_p99=1.0, tbt_p99=0.2)
     s = summarize([rec(0, 0, 0.5, [], delay=0.3), rec(1, 0, 0.5, [], delay=0.1)], slo)
     assert (
         s["scheduling_delay_s"]["p50"] == pytest.approx(0.2) and s["scheduling_delay_source"] == "per-request"
@@ -73,7 +73,7 @@ def test_scheduling_delay_prefers_records_then_server():
 
 
 def test_capacity_criterion():
-    slo = SLO(ttft=10, tbt=1)
+    slo = Slo(ttft_p99=10, tbt_p99=1)
     fast = summarize([rec(i, 0, 0.5, [0.1] * 5, delay=0.2) for i in range(5)], slo)
     assert meets_capacity_slo(fast, 0.2) and not meets_capacity_slo(fast, 0.05)
     assert not meets_capacity_slo(fast, 0.2, delay_slo=0.1)
@@ -85,7 +85,7 @@ def test_capacity_criterion():
 
 def test_slo_validation():
     with pytest.raises(ValueError, match="tbt"):
-        SLO(ttft=1.0, tbt=0.0)
+        Slo(ttft_p99=1.0, tbt_p99=0.0)
 
 
 PROM = """# HELP stallfree_scheduling_delay_seconds x
@@ -129,7 +129,7 @@ def test_attainment_capacity_counts_requests_meeting_their_own_slos():
     records = [rec(i, 0.0, 0.5, [0.1] * 20) for i in range(9)] + [rec(9, 0.0, 0.5, [0.1] * 19 + [0.9])]
     assert slo_attainment(records, ttft_slo=1.0, tbt_slo=0.5) == pytest.approx(0.9)
     assert slo_attainment(records, ttft_slo=0.4, tbt_slo=0.5) == 0.0  # every TTFT is 0.5 s
-    s = summarize(records, SLO(ttft=1.0, tbt=0.5))
+    s = summarize(records, Slo(ttft_p99=1.0, tbt_p99=0.5))
     s["attainment"] = {"0.5": slo_attainment(records, 1.0, 0.5)}
     assert meets_attainment(s, 0.5, 0.9) and not meets_attainment(s, 0.5, 0.95)
     assert meets_capacity_slo(s, 0.5)  # one slow gap in 200 is below the pooled P99

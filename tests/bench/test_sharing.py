@@ -8,10 +8,11 @@ import pytest
 from bench_factories import make_trace
 from costmodel_factories import make_cost_model
 
-from stallfree.bench.metrics import SLO, summarize
+from stallfree.bench.metrics import summarize
 from stallfree.bench.sharing import Sharing, parse_turns
 from stallfree.bench.simulator import SimConfig, simulate
 from stallfree.bench.traces import make_workload
+from stallfree.slo import Slo
 
 
 def shared(tmp_path, sharing: Sharing, n: int = 40, qps: float = 1.0, max_model_len: int = 8192):
@@ -65,7 +66,7 @@ def test_bad_sharing_options_are_refused():
 
 def test_simulated_prefix_cache_cuts_ttft_on_a_shared_system_prompt(tmp_path):
     wl = shared(tmp_path, Sharing("system-prompt", system_prompt_tokens=1000), n=40, qps=0.5)
-    slo = SLO(ttft=60, tbt=10)
+    slo = Slo(ttft_p99=60, tbt_p99=10)
     cost = make_cost_model()
     on = summarize(simulate(wl, cost, SimConfig(token_budget=256)).records, slo)
     off = summarize(simulate(wl, cost, SimConfig(token_budget=256, enable_prefix_caching=False)).records, slo)

@@ -6,7 +6,7 @@ import pytest
 from bench_factories import make_sim_workload
 from costmodel_factories import make_cost_model
 
-from stallfree.bench.metrics import OK, SLO, summarize
+from stallfree.bench.metrics import OK, summarize
 from stallfree.bench.simulator import (
     TIME_CAP,
     TIME_TARGET,
@@ -18,6 +18,7 @@ from stallfree.bench.simulator import (
     split_policy,
 )
 from stallfree.bench.traces import TraceRequest, Workload
+from stallfree.slo import Slo
 
 
 def one_request_workload(prompt, output):
@@ -53,7 +54,7 @@ def test_every_request_completes_with_consistent_records(tmp_path):
 
 def test_chunking_bounds_tbt_where_whole_prompts_do_not(tmp_path):
     wl = make_sim_workload(tmp_path, n=80, qps=1.5, prompt=1200)
-    slo = SLO(ttft=60, tbt=1)
+    slo = Slo(ttft_p99=60, tbt_p99=1)
     p99 = {
         p: summarize(simulate(wl, make_cost_model(), SimConfig(policy=p, token_budget=128)).records, slo)[
             "tbt_s"
@@ -95,7 +96,7 @@ def test_time_budgeted_iterations_hold_the_tbt_slo_a_large_token_budget_breaks(t
     # Long prompts arriving while others decode: a 1024-token budget stalls the decodes for a whole chunk
     # iteration; budgeted in time, the chunks shrink to what the TBT SLO leaves while anyone decodes.
     wl = make_sim_workload(tmp_path, n=60, qps=1.0, prompt=1200)
-    cost, slo = make_cost_model(), SLO(ttft=60, tbt=0.25)
+    cost, slo = make_cost_model(), Slo(ttft_p99=60, tbt_p99=0.25)
     big = summarize(simulate(wl, cost, SimConfig(token_budget=1024)).records, slo)
     timed_cfg = SimConfig(token_budget=1024, time_target=0.8, tbt_slo=0.25)
     timed = simulate(wl, cost, timed_cfg)

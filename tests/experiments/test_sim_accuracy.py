@@ -11,9 +11,9 @@ from bench_factories import make_trace
 from costmodel_factories import make_cost_model
 
 from experiments.sim_accuracy import compare, main
-from stallfree.bench.metrics import SLO
 from stallfree.bench.simulate import simulate_capacity
 from stallfree.bench.simulator import ServerEntry, SimConfig
+from stallfree.slo import Slo
 
 
 def fake_capacity_json(tmp_path, cost) -> dict:
@@ -23,7 +23,7 @@ def fake_capacity_json(tmp_path, cost) -> dict:
         slo_delay=2.0, token_budget=256, max_num_seqs=128, num_kv_blocks=None, chunk_align=0,
         overhead_ms=0.0, start_qps=0.25, tolerance=0.25,
     )  # fmt: skip
-    slo = SLO(ttft=60.0, tbt=0.2)
+    slo = Slo(ttft_p99=60.0, tbt_p99=0.2)
     results = {}
     for name, policy, budget in (("sarathi@128", "sarathi", 128), ("vllm", "vllm", 256)):
         cfg = SimConfig(policy=policy, token_budget=budget)
@@ -73,7 +73,7 @@ def test_capacity_and_sweep_commands_simulate_the_same_configuration(tmp_path):
         max_model_len=8192, chunk_align=0, overhead_ms=0.0, num_requests=20, qps=0.5, scale=1.0, seed=0,
         start_qps=0.25, tolerance=0.25, slo_delay=2.0,
     )  # fmt: skip
-    slo = SLO(ttft=60.0, tbt=0.2)
+    slo = Slo(ttft_p99=60.0, tbt_p99=0.2)
     small = capacity_cmd.simulated(ServerEntry("sarathi", 128), trace, args, [0.2], slo)
     large = capacity_cmd.simulated(ServerEntry("sarathi", 2048), trace, args, [0.2], slo)
     assert small["by_tbt_slo"]["0.2"]["capacity_qps"] > large["by_tbt_slo"]["0.2"]["capacity_qps"]

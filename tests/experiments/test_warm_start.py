@@ -7,7 +7,8 @@ import json
 import pytest
 
 from experiments.warm_start import main, window_figures
-from stallfree.bench.metrics import OK, SLO, RequestRecord
+from stallfree.bench.metrics import OK, RequestRecord
+from stallfree.slo import Slo
 
 
 def _record(index: int, ttft: float, gap: float) -> RequestRecord:
@@ -17,7 +18,7 @@ def _record(index: int, ttft: float, gap: float) -> RequestRecord:
 
 
 def test_the_first_window_is_split_by_arrival_order_not_by_list_order():
-    slo = SLO(ttft=1.0, tbt=0.5)
+    slo = Slo(ttft_p99=1.0, tbt_p99=0.5)
     # the first 4 requests (by index) are slow to start, the rest are fine; listed out of order
     records = [
         _record(i, 2.0 if i < 4 else 0.1, 0.1 if i < 4 else 0.2) for i in (7, 0, 5, 2, 9, 1, 3, 4, 6, 8)
