@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_argument_group("GPU (--device cuda: decode/prefill/hybrid against their floors, docs/gpu.md)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default cpu)")
     g.add_argument("--dtype", default="auto", help="cuda: auto (bfloat16), bfloat16, float16 or float32; "
-                   "cpu: auto (float32) or bfloat16")  # fmt: skip
+                   "cpu: auto (bfloat16, engine.placement's rule), float32 or bfloat16")  # fmt: skip
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="cpu with "
                     "--dtype bfloat16: weight-only linear layers")  # fmt: skip
     g.add_argument(
