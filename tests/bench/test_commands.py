@@ -100,7 +100,7 @@ def test_bench_help(argv, capsys):
 
 @pytest.mark.slow
 def test_profile_on_the_real_model_with_a_tiny_grid(tmp_path, capsys):
-    rc = profile.main(["--decodes", "0,2", "--decode-contexts", "16", "--chunks", "0,16,48", "--prefill-contexts",
+    rc = profile.main(["--dtype", "float32", "--quantization", "none", "--decodes", "0,2", "--decode-contexts", "16", "--chunks", "0,16,48", "--prefill-contexts",
                        "0,32", "--reps", "1", "--holdout", "0.25", "--out", str(tmp_path)])  # fmt: skip
     assert rc == 0
     model = json.loads((tmp_path / "cost_model.json").read_text())
