@@ -21,21 +21,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from stallfree.ports import free_port
+
 ENDPOINTS = ("chat", "responses")
 PROMPT = "Tell me a long story about a lighthouse keeper, number {i}."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request_body(endpoint: str, i: int, tokens: int) -> tuple[str, dict]:
@@ -147,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import psutil
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start_server(port, args)
     server = psutil.Process(proc.pid)

@@ -86,7 +86,7 @@ def kill_when_all_stream(victim: psutil.Process, consume, n: int) -> list[object
 
 @pytest.mark.slow
 def test_killing_the_replica_mid_stream_ends_every_stream_with_an_error(tmp_path):
-    from openai import APIConnectionError, APIError, OpenAI
+    from openai import APIError, OpenAI
 
     with local_up() as (_, base, victim):
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -102,14 +102,7 @@ def test_killing_the_replica_mid_stream_ends_every_stream_with_an_error(tmp_path
             return ("finished", text)
 
         results = kill_when_all_stream(victim, consume, 6)
-        outcomes = [type(got).__name__ + ": " + str(got)[:200] for got in results]
-        # every stream raised the proxy's error event: not a dropped connection, not a short answer
-        assert all(
-            isinstance(got, APIError) and not isinstance(got, APIConnectionError) for got in results
-        ), outcomes
-        assert all("incomplete" in str(got) or "before it was complete" in str(got) for got in results), (
-            outcomes
-        )
+        assert_every_stream_failed_explicitly(results)
         # the replica comes back and serves again
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -123,11 +116,22 @@ def test_killing_the_replica_mid_stream_ends_every_stream_with_an_error(tmp_path
             raise AssertionError("the replica did not come back")
 
 
+def assert_every_stream_failed_explicitly(results: list[object]) -> None:
+    """Every stream raised the proxy's error event: not a dropped connection, not a short answer."""
+    from openai import APIConnectionError, APIError
+
+    outcomes = [type(got).__name__ + ": " + str(got)[:200] for got in results]
+    assert all(isinstance(got, APIError) and not isinstance(got, APIConnectionError) for got in results), (
+        outcomes
+    )
+    assert all("incomplete" in str(got) or "before it was complete" in str(got) for got in results), outcomes
+
+
 @pytest.mark.slow
 def test_killing_the_replica_mid_stream_fails_every_responses_stream():
     """/v1/responses through the proxy: a whole stream ends with response.completed and nothing after it;
     streams cut by the replica's death raise APIError in the SDK's responses.stream() helper."""
-    from openai import APIConnectionError, APIError, OpenAI
+    from openai import OpenAI
 
     with local_up() as (_, base, victim):
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -147,10 +151,4 @@ def test_killing_the_replica_mid_stream_fails_every_responses_stream():
                 return ("finished", stream.get_final_response().output_text)
 
         results = kill_when_all_stream(victim, consume, 4)
-        outcomes = [type(got).__name__ + ": " + str(got)[:200] for got in results]
-        assert all(
-            isinstance(got, APIError) and not isinstance(got, APIConnectionError) for got in results
-        ), outcomes
-        assert all("incomplete" in str(got) or "before it was complete" in str(got) for got in results), (
-            outcomes
-        )
+        assert_every_stream_failed_explicitly(results)
